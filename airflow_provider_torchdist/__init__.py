@@ -1,0 +1,33 @@
+"""Run a PyTorch training callable or script as a distributed job on Spark, from Airflow.
+
+Public names: :class:`TorchDistributorOperator`, :class:`TorchDistributorHook`, :func:`load_output`.
+They load lazily, so the Spark side (``airflow_provider_torchdist.spark``), which ships to the
+cluster inside this package, never imports Airflow.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["TorchDistributorHook", "TorchDistributorOperator", "load_output"]
+
+_LAZY = {
+    "TorchDistributorOperator": "airflow_provider_torchdist.operators.torch_distributor",
+    "TorchDistributorHook": "airflow_provider_torchdist.hooks.torch_distributor",
+    "load_output": "airflow_provider_torchdist.results",
+}
+
+if TYPE_CHECKING:
+    from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
+    from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
+    from airflow_provider_torchdist.results import load_output
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,259 @@
+"""TorchDistributorHook: connection, packaging, spark-submit and the result fetch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import sysconfig
+import time
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+from airflow.providers.common.compat.sdk import AirflowException, AirflowNotFoundException
+
+from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
+from airflow_provider_torchdist.spark.outcome import Outcome
+from airflow_provider_torchdist.staging import StagedRun, stage_run
+from airflow_provider_torchdist.validation import check_args, check_bool, check_int, check_topology
+
+DEFAULT_CONN_ID = "spark_default"
+EMBEDDED_HOST = "127.0.0.1"
+
+# Defaults for our own application; anything the user puts in ``conf`` wins.
+_APP_CONF = {
+    "spark.ui.showConsoleProgress": "false",
+    "spark.log.level": "WARN",
+}
+
+
+class TorchDistributorHook(SparkSubmitHook):
+    """Run a PyTorch training callable or script on Spark and return rank 0's value.
+
+    Semantics follow PySpark's ``TorchDistributor``. A callable runs as ``fn(*args, **kwargs)`` on
+    every rank; a script path runs like ``torchrun script.py *args``. With no Spark connection
+    configured, the run goes to an embedded ``local[N]`` master on this machine.
+
+    Example::
+
+        hook = TorchDistributorHook(num_processes=2, local_mode=False, use_gpu=False)
+        result = hook.run(train_fn, 1e-3, epochs=3)   # rank 0's return value
+
+    :param num_processes: total number of ranks (the world size).
+    :param local_mode: run the ranks on the Spark driver instead of in a barrier stage.
+    :param use_gpu: give each rank the GPU(s) Spark assigned to its task and use NCCL.
+    :param nproc_per_node: ranks per Spark task (distributed mode); ``num_processes`` must divide.
+    :param max_restarts: how often torchrun's agent restarts the worker group after a failure.
+    :param rendezvous_timeout: seconds the ranks may take to find each other.
+    :param socket_ifname: network interface for gloo/NCCL; default: the one carrying the task's address.
+    :param conn_id: the Spark connection; ``spark_default`` falls back to the embedded master.
+    :param conf: Spark configuration properties.
+    :param rank_env: environment variables for every rank.
+    :param staging_dir: where per-run staging directories are created (default: the temp dir).
+    :param spark_submit_kwargs: any other :class:`SparkSubmitHook` argument (``executor_memory``,
+        ``driver_memory``, ``executor_cores``, ``env_vars``, ``name``, ...).
+    """
+
+    hook_name = "PyTorch distributed training on Spark"
+
+    def __init__(
+        self,
+        num_processes: int = 1,
+        local_mode: bool = False,
+        use_gpu: bool = False,
+        *,
+        nproc_per_node: int = 1,
+        max_restarts: int = 0,
+        rendezvous_timeout: int = 300,
+        socket_ifname: str | None = None,
+        conn_id: str = DEFAULT_CONN_ID,
+        conf: dict[str, Any] | None = None,
+        rank_env: dict[str, str] | None = None,
+        staging_dir: str | None = None,
+        **spark_submit_kwargs: Any,
+    ) -> None:
+        self.num_processes, self.nproc_per_node, self.local_mode = check_topology(
+            num_processes, nproc_per_node, local_mode
+        )
+        self.use_gpu = check_bool(use_gpu, "use_gpu")
+        self.max_restarts = check_int(max_restarts, "max_restarts", minimum=0)
+        self.rendezvous_timeout = check_int(rendezvous_timeout, "rendezvous_timeout")
+        self.socket_ifname = socket_ifname
+        self.rank_env = {str(k): str(v) for k, v in (rank_env or {}).items()}
+        self.staging_dir = staging_dir
+        self.embedded = False
+        self._staged: StagedRun | None = None
+        spark_submit_kwargs.setdefault("name", "torchdist")
+        super().__init__(conf={**_APP_CONF, **(conf or {})}, conn_id=conn_id, **spark_submit_kwargs)
+        if self._connection["deploy_mode"] == "cluster":
+            raise InvalidTrainingConfig(
+                "deploy_mode='cluster' is not supported: the driver reports rank 0's value and each "
+                "rank's failure to the Airflow worker, so it must run there (client mode). Remove "
+                "deploy-mode from the connection or pass deploy_mode='client'."
+            )
+        if not (self._is_yarn or self._is_kubernetes):  # there env_vars become the remote driver's
+            self._env_vars = {**self._default_env(), **(self._env_vars or {})}
+
+    # -- connection ---------------------------------------------------------------------------
+
+    @property
+    def slots_needed(self) -> int:
+        """Spark task slots the barrier stage needs (1 in local mode: the driver does the work)."""
+        return 1 if self.local_mode else self.num_processes // self.nproc_per_node
+
+    def _resolve_connection(self) -> dict[str, Any]:
+        try:
+            self.get_connection(self._conn_id)
+        except AirflowNotFoundException:
+            if self._conn_id != DEFAULT_CONN_ID:
+                raise InvalidTrainingConfig(
+                    f"Spark connection {self._conn_id!r} is not defined. Create it (Admin > Connections, "
+                    f"or AIRFLOW_CONN_{self._conn_id.upper()}='spark://host:7077'), or leave conn_id unset "
+                    "to run on the embedded local Spark master."
+                ) from None
+            return self._embedded_connection()
+        return super()._resolve_connection()
+
+    def _embedded_connection(self) -> dict[str, Any]:
+        self.embedded = True
+        master = f"local[{self.slots_needed}]"
+        self.log.info(
+            "No Spark connection %r is configured: running on an embedded local Spark master %s on %s. "
+            "Create a 'spark' connection to use a cluster.",
+            self._conn_id,
+            master,
+            EMBEDDED_HOST,
+        )
+        # Keep the driver's servers (RPC, block manager, UI) on loopback.
+        for key in ("spark.driver.host", "spark.driver.bindAddress"):
+            self._conf.setdefault(key, EMBEDDED_HOST)
+        return {
+            "master": master,
+            "queue": None,
+            "deploy_mode": None,
+            "spark_binary": self.spark_binary or "spark-submit",
+            "namespace": None,
+            "principal": self._principal,
+            "keytab": self._keytab,
+            "rest_scheme": "http",
+            "rest_port": 6066,
+            "rest_endpoint": None,
+        }
+
+    def _default_env(self) -> dict[str, str]:
+        """spark-submit's environment: the Python that runs Airflow runs the driver and executors."""
+        bin_dir = sysconfig.get_path("scripts")
+        env = {
+            # spark-submit may not be on PATH when Airflow runs from an unactivated virtualenv.
+            "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
+            "PYSPARK_DRIVER_PYTHON": os.environ.get("PYSPARK_DRIVER_PYTHON", sys.executable),
+        }
+        if "spark.pyspark.python" not in self._conf:
+            env["PYSPARK_PYTHON"] = os.environ.get("PYSPARK_PYTHON", sys.executable)
+        if self.embedded:
+            env["SPARK_LOCAL_IP"] = EMBEDDED_HOST
+        return env
+
+    # -- running ------------------------------------------------------------------------------
+
+    def check_gpu_conf(self) -> None:
+        """``use_gpu`` needs Spark to schedule GPUs to the barrier tasks; say how when it does not."""
+        if not self.use_gpu or self.local_mode:
+            return
+        if not self._conf.get("spark.task.resource.gpu.amount"):
+            raise InvalidTrainingConfig(
+                "use_gpu=True needs Spark to assign GPUs to tasks: set conf "
+                "spark.executor.resource.gpu.amount, spark.task.resource.gpu.amount (e.g. "
+                f"{self.nproc_per_node}) and, for standalone/local clusters, "
+                "spark.executor.resource.gpu.discoveryScript. Or run with use_gpu=False."
+            )
+
+    def run(self, train_object: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
+        """Train, and return global rank 0's return value (None for a script).
+
+        Raises :class:`TrainingFailed` naming each failed rank, its host and its exception.
+        """
+        pickled = self.run_pickled(train_object, list(args), kwargs)
+        return None if pickled is None else cloudpickle.loads(pickled)
+
+    def run_pickled(
+        self,
+        train_object: Callable[..., Any] | str,
+        args: list[Any] | tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> bytes | None:
+        """Like :meth:`run`, but return rank 0's value still pickled (as the operator needs it)."""
+        self.check_gpu_conf()
+        staged = stage_run(
+            train_object,
+            check_args(args, "args", list),
+            check_args(kwargs, "kwargs", dict),
+            base_dir=self.staging_dir,
+            num_processes=self.num_processes,
+            local_mode=self.local_mode,
+            use_gpu=self.use_gpu,
+            nproc_per_node=self.nproc_per_node,
+            max_restarts=self.max_restarts,
+            rendezvous_timeout=self.rendezvous_timeout,
+            socket_ifname=self.socket_ifname,
+            rank_env=self.rank_env,
+        )
+        self._staged = staged
+        try:
+            self._submit_staged(staged)
+            if staged.spec.kind == "script":
+                return None
+            return staged.output_path.read_bytes()
+        finally:
+            self._stop_process_group()
+            staged.cleanup()
+            self._staged = None
+
+    def _submit_staged(self, staged: StagedRun) -> None:
+        self._files = ",".join(staged.files)
+        self._py_files = staged.py_files
+        self._application_args = [str(staged.spec_path)]
+        submit_error: AirflowException | None = None
+        try:
+            # A session of its own, so a kill reaches the driver and every local rank too.
+            self.submit(application=str(staged.driver_path), start_new_session=True)
+        except AirflowException as exc:
+            submit_error = exc
+        outcome = Outcome.read(staged.dir)
+        if outcome is None:
+            raise SparkSubmitFailed(
+                f"The Spark application ended before the training driver reported an outcome: {submit_error}"
+            ) from submit_error
+        if not outcome.ok:
+            raise TrainingFailed(outcome.failures, outcome.error)
+        if staged.spec.kind == "callable" and not staged.output_path.exists():
+            raise SparkSubmitFailed("Training succeeded but rank 0's return value never reached the driver.")
+
+    # -- stopping -----------------------------------------------------------------------------
+
+    def _stop_process_group(self, grace: float = 5.0) -> None:
+        """End whatever is left of spark-submit's session: JVM, Python driver, local ranks."""
+        proc = self._submit_sp
+        if proc is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                return
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(proc.pid, 0)
+                except ProcessLookupError:
+                    return
+                time.sleep(0.05)
+
+    def on_kill(self) -> None:
+        """Stop the Spark application and every process of the run (Airflow's kill or timeout)."""
+        super().on_kill()
+        self._stop_process_group()
+        if self._staged is not None:
+            self._staged.cleanup()

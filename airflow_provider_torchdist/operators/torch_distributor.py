@@ -1,0 +1,166 @@
+"""TorchDistributorOperator: templating, validation and XCom around :class:`TorchDistributorHook`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from airflow.providers.common.compat.sdk import BaseOperator
+
+from airflow_provider_torchdist.hooks.torch_distributor import DEFAULT_CONN_ID, TorchDistributorHook
+from airflow_provider_torchdist.results import to_xcom
+from airflow_provider_torchdist.validation import (
+    check_args,
+    check_bool,
+    check_int,
+    check_topology,
+    check_train_object,
+    is_template,
+)
+
+
+class TorchDistributorOperator(BaseOperator):
+    """Train a PyTorch callable or script on Spark and push global rank 0's return value to XCom.
+
+    Example::
+
+        train = TorchDistributorOperator(
+            task_id="train",
+            train_object=train_fn,  # or "/path/to/train.py"
+            args=[1e-3],
+            kwargs={"epochs": 3},
+            num_processes=2,
+        )
+
+        @task
+        def evaluate(value):
+            result = load_output(value)
+
+        evaluate(train.output)
+
+    The value in XCom is the return value itself when it is plain JSON, else an envelope that
+    :func:`airflow_provider_torchdist.load_output` decodes; a script returns None.
+
+    :param train_object: a callable, or the path of a ``.py`` training script on the worker.
+    :param args: positional arguments of the callable, or a script's command-line arguments.
+    :param kwargs: keyword arguments of the callable (stored and templated as ``train_kwargs``).
+    :param num_processes: total number of ranks.
+    :param local_mode: run all ranks on the Spark driver instead of Spark executors.
+    :param use_gpu: map each task's Spark-assigned GPUs to its ranks and use NCCL.
+    :param nproc_per_node: ranks per Spark task in distributed mode.
+    :param max_restarts: restarts of the worker group by torchrun's agent.
+    :param conn_id: Spark connection; the default ``spark_default``, when undefined, means an
+        embedded local master.
+    :param conf: Spark configuration properties (templated, shown as JSON).
+    :param env_vars: environment for spark-submit, as in ``SparkSubmitOperator``.
+    :param rank_env: environment variables for every rank.
+    :param spark_submit_kwargs: other ``SparkSubmitHook`` settings: ``executor_memory``,
+        ``driver_memory``, ``executor_cores``, ``num_executors``, ``total_executor_cores``,
+        ``name``, ``verbose``, ``properties_file``, ``spark_binary``, ...
+    """
+
+    # ``kwargs`` cannot be a template field: Airflow 3 refuses to serialize a DAG whose operator
+    # templates a name of BaseOperator.__init__'s parameters, and its **kwargs counts.
+    template_fields: Sequence[str] = (
+        "train_object",
+        "train_args",
+        "train_kwargs",
+        "num_processes",
+        "local_mode",
+        "use_gpu",
+        "nproc_per_node",
+        "max_restarts",
+        "conf",
+        "env_vars",
+        "rank_env",
+        "conn_id",
+    )
+    template_fields_renderers = {"conf": "json", "train_kwargs": "json", "train_args": "json"}
+    ui_color = "#ee4c2c"
+
+    def __init__(
+        self,
+        *,
+        train_object: Callable[..., Any] | str,
+        args: list[Any] | tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        num_processes: int | str = 1,
+        local_mode: bool | str = False,
+        use_gpu: bool | str = False,
+        nproc_per_node: int | str = 1,
+        max_restarts: int | str = 0,
+        conn_id: str = DEFAULT_CONN_ID,
+        conf: dict[str, Any] | None = None,
+        env_vars: dict[str, Any] | None = None,
+        rank_env: dict[str, str] | None = None,
+        spark_submit_kwargs: dict[str, Any] | None = None,
+        **base_kwargs: Any,
+    ) -> None:
+        super().__init__(**base_kwargs)
+        self.train_object = train_object
+        self.train_args = args
+        self.train_kwargs = kwargs
+        self.num_processes = num_processes
+        self.local_mode = local_mode
+        self.use_gpu = use_gpu
+        self.nproc_per_node = nproc_per_node
+        self.max_restarts = max_restarts
+        self.conn_id = conn_id
+        self.conf = conf
+        self.env_vars = env_vars
+        self.rank_env = rank_env
+        self.spark_submit_kwargs = dict(spark_submit_kwargs or {})
+        self._hook: TorchDistributorHook | None = None
+        self._validate(at_parse_time=True)
+
+    def _validate(self, at_parse_time: bool) -> None:
+        """Check every value that is not a template yet; after rendering, check all of them.
+
+        Bad values fail the DAG import with a message naming the field, not the run at 3 a.m.
+        """
+
+        def ready(value: Any) -> bool:
+            return not (at_parse_time and is_template(value))
+
+        if ready(self.train_object):
+            self.train_object = check_train_object(self.train_object)
+        if ready(self.train_args) and not isinstance(self.train_args, str):
+            check_args(self.train_args, "args", list)
+        if ready(self.train_kwargs) and not isinstance(self.train_kwargs, str):
+            check_args(self.train_kwargs, "kwargs", dict)
+        if all(ready(v) for v in (self.num_processes, self.nproc_per_node, self.local_mode)):
+            self.num_processes, self.nproc_per_node, self.local_mode = check_topology(
+                self.num_processes, self.nproc_per_node, self.local_mode
+            )
+        if ready(self.use_gpu):
+            self.use_gpu = check_bool(self.use_gpu, "use_gpu")
+        if ready(self.max_restarts):
+            self.max_restarts = check_int(self.max_restarts, "max_restarts", minimum=0)
+        if not at_parse_time:
+            for field in ("train_args", "train_kwargs"):
+                if isinstance(getattr(self, field), str):
+                    check_args(getattr(self, field), field.removeprefix("train_"), list)
+
+    def make_hook(self) -> TorchDistributorHook:
+        return TorchDistributorHook(
+            num_processes=self.num_processes,
+            local_mode=self.local_mode,
+            use_gpu=self.use_gpu,
+            nproc_per_node=self.nproc_per_node,
+            max_restarts=self.max_restarts,
+            conn_id=self.conn_id,
+            conf=self.conf,
+            env_vars=self.env_vars,
+            rank_env=self.rank_env,
+            **self.spark_submit_kwargs,
+        )
+
+    def execute(self, context: Any) -> Any:
+        self._validate(at_parse_time=False)
+        self._hook = self.make_hook()
+        pickled = self._hook.run_pickled(self.train_object, self.train_args, self.train_kwargs)
+        return to_xcom(pickled)
+
+    def on_kill(self) -> None:
+        if self._hook is not None:
+            self._hook.on_kill()

@@ -1,0 +1,81 @@
+"""The barrier-stage task: one per torchrun node, run inside a Spark executor's Python worker."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+
+from airflow_provider_torchdist.spark.channel import ChannelClient
+from airflow_provider_torchdist.spark.jobspec import JobSpec
+from airflow_provider_torchdist.spark.outcome import RankFailure
+
+
+def visible_devices(assigned: Iterable[str], preset: str | None) -> list[str]:
+    """The GPUs a task may use: Spark's assignment, within what the cluster already made visible.
+
+    PySpark's TorchDistributor ignores Spark's assignment when ``CUDA_VISIBLE_DEVICES`` is preset,
+    so two tasks on one host can land on the same GPU. Intersecting keeps both constraints.
+    """
+    assigned = [a.strip() for a in assigned]
+    if not preset:
+        return assigned
+    allowed = {p.strip() for p in preset.split(",") if p.strip()}
+    return [a for a in assigned if a in allowed]
+
+
+def gpu_environment(spec: JobSpec, task_gpus: list[str] | None) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` for this task's ranks; raises when Spark gave it no usable GPU."""
+    if not spec.use_gpu:
+        return {}
+    if not task_gpus:
+        raise RuntimeError(
+            "use_gpu=True but Spark assigned this task no GPU. Give executors GPUs "
+            "(spark.executor.resource.gpu.amount and a discovery script) and set "
+            "spark.task.resource.gpu.amount, or run with use_gpu=False."
+        )
+    devices = visible_devices(task_gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if len(devices) < spec.nproc_per_node:
+        raise RuntimeError(
+            f"use_gpu=True needs {spec.nproc_per_node} GPU(s) per task, but Spark assigned {task_gpus} "
+            f"and CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} leaves {devices}."
+        )
+    return {"CUDA_VISIBLE_DEVICES": ",".join(devices)}
+
+
+def barrier_task(spec: JobSpec, channel_address: tuple[str, int], _: Iterator[int]) -> Iterator[str]:
+    """Rendezvous with the other tasks, then run this node's ranks with torchrun's agent.
+
+    Task 0's address is the rendezvous endpoint; one ``allGather`` tells every task its host and
+    a port that was free there. A failure goes to the driver over the run channel, so the driver
+    can cancel the whole stage at once instead of waiting for collectives to time out.
+    """
+    from pyspark import BarrierTaskContext, SparkFiles
+
+    from airflow_provider_torchdist.spark.launcher import launch_node
+    from airflow_provider_torchdist.spark.network import free_port
+
+    ctx = BarrierTaskContext.get()
+    node = ctx.partitionId()
+    host = ctx.getTaskInfos()[node].address.rsplit(":", 1)[0]
+    try:
+        gpus = ctx.resources().get("gpu")
+        os.environ.update(gpu_environment(spec, list(gpus.addresses) if gpus else None))
+        port = free_port(host) if node == 0 else 0
+        peers = [json.loads(p) for p in ctx.allGather(json.dumps({"host": host, "port": port}))]
+        master = (peers[0]["host"], peers[0]["port"])
+        failures = launch_node(
+            spec,
+            node_rank=node,
+            entry_path=SparkFiles.get(spec.entry),
+            channel_address=channel_address,
+            host=host,
+            master=master,
+        )
+    except Exception as exc:
+        failures = [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]
+    if failures:
+        client = ChannelClient(channel_address, spec.token, None, host)
+        client.failures(failures)
+        client.close()
+    yield json.dumps({"node": node, "host": host, "failed": bool(failures)})

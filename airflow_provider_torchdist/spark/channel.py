@@ -1,0 +1,238 @@
+"""The run channel: how ranks and agents on any host talk back to the driver.
+
+One TCP server per run, on the driver. Every connection opens with a hello that carries the run's
+secret token; a connection without it is dropped before anything it sends is read. After the hello
+each message is one JSON line; an ``output`` message is followed by its raw bytes.
+
+Messages:
+
+- ``{"k": "line", "s": "out"|"err", "l": text}``: one line a rank printed, forwarded to the task log;
+- ``{"k": "error", ...}``: the exception a rank raised (type, message, traceback);
+- ``{"k": "failures", "failures": [...]}``: an agent's verdict that its node failed;
+- ``{"k": "output", "n": size}`` + ``size`` bytes: rank 0's pickled return value;
+- ``{"k": "bye"}``: a clean close. A connection that ends without it is reported in the log.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import socket
+import socketserver
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE
+from airflow_provider_torchdist.spark.outcome import RankFailure
+
+HELLO_TIMEOUT_S = 10.0
+_CHUNK = 1 << 20
+
+
+def rank_prefix(rank: int | None, host: str | None) -> str:
+    """The prefix every forwarded line carries in the task log: ``[rank 1 @ 10.0.0.2]``."""
+    who = "agent" if rank is None else f"rank {rank}"
+    return f"[{who} @ {host}]" if host else f"[{who}]"
+
+
+class RunChannel:
+    """The driver's end: accepts this run's ranks, prints their lines, keeps errors and the output.
+
+    Example::
+
+        with RunChannel(token, "127.0.0.1", staging_dir) as channel:
+            ...  # ranks connect to channel.address
+        channel.failures  # what ranks and agents reported
+    """
+
+    def __init__(
+        self,
+        token: str,
+        bind_host: str,
+        output_dir: str | Path,
+        on_failure: Callable[[], None] | None = None,
+        out: Any = None,
+    ) -> None:
+        self._token = token.encode()
+        self._output_dir = Path(output_dir)
+        self._on_failure = on_failure
+        self._out = out or sys.stdout
+        self._print_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self.rank_errors: dict[int, RankFailure] = {}
+        self.agent_failures: list[RankFailure] = []
+        self.rejected = 0
+        channel = self
+
+        class _Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                channel._serve(self.connection, self.rfile)
+
+        class _Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self._server = _Server((bind_host, 0), _Handler)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="torchdist-channel", daemon=True
+        )
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def __enter__(self) -> RunChannel:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    @property
+    def failures(self) -> list[RankFailure]:
+        """Every failure reported, one per rank: the agent's record filled in with the rank's own."""
+        with self._state_lock:
+            merged: list[RankFailure] = []
+            for failure in self.agent_failures:
+                own = self.rank_errors.get(failure.rank) if failure.rank is not None else None
+                merged.append(own.merge(failure) if own else failure)
+            reported = {f.rank for f in self.agent_failures}
+            merged += [error for rank, error in self.rank_errors.items() if rank not in reported]
+        return sorted(merged, key=lambda f: (f.rank is None, f.rank or 0))
+
+    def say(self, text: str) -> None:
+        """Print a line of the driver's own to the task log."""
+        self._print(f"[torchdist] {text}")
+
+    def _print(self, line: str) -> None:
+        with self._print_lock:
+            self._out.write(line + "\n")
+            self._out.flush()
+
+    def _serve(self, conn: socket.socket, rfile: BinaryIO) -> None:
+        conn.settimeout(HELLO_TIMEOUT_S)
+        try:
+            hello = json.loads(rfile.readline(65536) or b"{}")
+        except (OSError, ValueError):
+            hello = {}
+        if not isinstance(hello, dict) or not hmac.compare_digest(
+            str(hello.get("token", "")).encode(), self._token
+        ):
+            # Not one of this run's ranks: drop it without reading anything it sends.
+            with self._state_lock:
+                self.rejected += 1
+            return
+        conn.settimeout(None)
+        rank, host = hello.get("rank"), hello.get("host")
+        prefix = rank_prefix(rank, host)
+        clean = False
+        try:
+            for raw in rfile:
+                msg = json.loads(raw)
+                kind = msg.get("k")
+                if kind == "line":
+                    self._print(f"{prefix} {msg['l']}")
+                elif kind == "error":
+                    with self._state_lock:
+                        self.rank_errors[rank] = RankFailure(rank=rank, host=host, **msg["e"])
+                elif kind == "failures":
+                    with self._state_lock:
+                        self.agent_failures.extend(RankFailure(**f) for f in msg["failures"])
+                    if self._on_failure:
+                        self._on_failure()
+                elif kind == "output":
+                    self._receive_output(rank, int(msg["n"]), rfile)
+                elif kind == "bye":
+                    clean = True
+                    break
+        except (OSError, ValueError) as exc:
+            self.say(f"channel from {prefix} broke: {exc!r}")
+        if not clean:
+            self.say(
+                f"channel from {prefix} closed without a goodbye: the process may have died; "
+                "anything it printed after this is only in its executor's log"
+            )
+
+    def _receive_output(self, rank: int | None, size: int, rfile: BinaryIO) -> None:
+        if rank != 0:
+            raise ValueError(f"rank {rank} sent an output; only global rank 0 may")
+        final = self._output_dir / OUTPUT_FILE
+        part = final.with_name(f".{OUTPUT_FILE}.part")
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            left = size
+            while left:
+                chunk = rfile.read(min(left, _CHUNK))
+                if not chunk:
+                    raise ValueError(f"rank 0's output ended after {size - left} of {size} bytes")
+                f.write(chunk)
+                left -= len(chunk)
+        # A restarted worker group may send again: the latest complete output wins, atomically.
+        os.replace(part, final)
+
+
+class ChannelClient:
+    """A rank's or agent's end of the run channel. Thread-safe; never raises after connecting.
+
+    When the connection breaks, ``broken`` holds why and sends become no-ops, so callers can fall
+    back to local output and say so.
+    """
+
+    def __init__(self, address: tuple[str, int], token: str, rank: int | None, host: str | None) -> None:
+        self._lock = threading.Lock()
+        self.broken: str | None = None
+        self._sock = socket.create_connection(tuple(address), timeout=HELLO_TIMEOUT_S)
+        self._sock.settimeout(None)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._send_raw(json.dumps({"token": token, "rank": rank, "host": host}).encode() + b"\n")
+
+    def _send_raw(self, *parts: bytes | memoryview) -> bool:
+        with self._lock:
+            if self.broken:
+                return False
+            try:
+                for part in parts:
+                    self._sock.sendall(part)
+                return True
+            except OSError as exc:
+                self.broken = repr(exc)
+                return False
+
+    def send(self, msg: dict[str, Any]) -> bool:
+        return self._send_raw(json.dumps(msg).encode() + b"\n")
+
+    def line(self, stream: str, text: str) -> bool:
+        return self.send({"k": "line", "s": stream, "l": text})
+
+    def error(self, failure: dict[str, Any]) -> bool:
+        return self.send({"k": "error", "e": failure})
+
+    def failures(self, failures: list[RankFailure]) -> bool:
+        from dataclasses import asdict
+
+        return self.send({"k": "failures", "failures": [asdict(f) for f in failures]})
+
+    def output(self, data: bytes) -> bool:
+        header = json.dumps({"k": "output", "n": len(data)}).encode() + b"\n"
+        return self._send_raw(header, memoryview(data))
+
+    def close(self) -> None:
+        self.send({"k": "bye"})
+        with self._lock:
+            try:
+                self._sock.shutdown(socket.SHUT_WR)
+                # Wait for the driver to finish reading, so nothing in flight is cut off.
+                self._sock.settimeout(5)
+                self._sock.recv(1)
+            except OSError:
+                pass
+            self._sock.close()

@@ -1,0 +1,110 @@
+"""The Spark application that ``spark-submit`` runs: ``driver.py <staging>/spec.json``.
+
+Local mode runs torchrun's agent in this process; distributed mode runs one barrier task per
+node. Either way every rank reports to this process over the run channel, and the verdict goes
+to ``outcome.json`` beside the spec, where the hook reads it.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+from airflow_provider_torchdist.spark.channel import RunChannel
+from airflow_provider_torchdist.spark.jobspec import JobSpec
+from airflow_provider_torchdist.spark.outcome import Outcome
+
+LOCAL_HOST = "127.0.0.1"
+
+
+def run_local(spec: JobSpec, staging: Path) -> Outcome:
+    """torchrun ``--standalone`` with ``num_processes`` ranks, here on the driver."""
+    from airflow_provider_torchdist.spark.launcher import launch_node
+
+    with RunChannel(spec.token, LOCAL_HOST, staging) as channel:
+        channel.say(f"local mode: {spec.num_processes} process(es) on the driver")
+        channel.agent_failures += launch_node(
+            spec,
+            node_rank=0,
+            entry_path=str(staging / spec.entry),
+            channel_address=channel.address,
+            host=LOCAL_HOST,
+        )
+    return Outcome(ok=not channel.failures, failures=channel.failures, hosts=[LOCAL_HOST])
+
+
+def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
+    """A barrier stage of ``num_nodes`` tasks, each running torchrun's agent for its ranks."""
+    from pyspark import SparkContext
+
+    from airflow_provider_torchdist.spark.barrier import barrier_task
+
+    sc = SparkContext.getOrCreate()
+    try:
+        group = f"torchdist-{spec.run_id}"
+        bind_host = sc.getConf().get("spark.driver.host")
+        with RunChannel(
+            spec.token, bind_host, staging, on_failure=lambda: sc.cancelJobGroup(group)
+        ) as channel:
+            channel.say(
+                f"distributed mode: {spec.num_nodes} Spark task(s) x {spec.nproc_per_node} process(es), "
+                f"master {sc.master}, application {sc.applicationId}"
+            )
+            sc.setJobGroup(group, f"torchdist training {spec.run_id}", interruptOnCancel=True)
+            task = functools.partial(barrier_task, spec, channel.address)
+            error = None
+            try:
+                results = (
+                    sc.parallelize(range(spec.num_nodes), spec.num_nodes)
+                    .barrier()
+                    .mapPartitions(task)
+                    .collect()
+                )
+            except Exception as exc:
+                results = []
+                # When a rank reported, its failure is the story; Spark's is only the cancellation.
+                error = None if channel.failures else _first_line(exc)
+        failures = channel.failures
+        return Outcome(
+            ok=not failures and error is None, failures=failures, error=error, hosts=_hosts(results)
+        )
+    finally:
+        sc.stop()
+
+
+def _hosts(results: list[str]) -> list[str]:
+    import json
+
+    return [r["host"] for r in sorted((json.loads(x) for x in results), key=lambda r: r["node"])]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    for line in text.splitlines():
+        if "Exception" in line or "Error" in line:
+            return line.strip()[:2000]
+    return text[:2000]
+
+
+def main(argv: list[str]) -> int:
+    spec_path = Path(argv[1])
+    staging = spec_path.parent
+    spec = JobSpec.read(spec_path)
+    try:
+        outcome = run_local(spec, staging) if spec.local_mode else run_distributed(spec, staging)
+    except Exception as exc:
+        outcome = Outcome(ok=False, error=f"{type(exc).__name__}: {exc}")
+    outcome.write(staging)
+    if outcome.ok:
+        print("[torchdist] training finished on all ranks", flush=True)
+        return 0
+    for failure in outcome.failures:
+        print(f"[torchdist] {failure.summary()}", flush=True)
+    if outcome.error:
+        print(f"[torchdist] {outcome.error}", flush=True)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,129 @@
+"""One torchrun agent: the elastic launcher that forks this node's ranks and watches them.
+
+This is torchrun's own engine (``elastic_launch``), run in-process instead of as a ``torchrun``
+command, so the ranks fork from a process that has already imported torch. Restarts
+(``max_restarts``), error files and the environment torchrun gives its workers are all kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from airflow_provider_torchdist.spark.jobspec import JobSpec
+from airflow_provider_torchdist.spark.network import interface_for_address
+from airflow_provider_torchdist.spark.outcome import RankFailure
+from airflow_provider_torchdist.spark.rank import run_rank
+
+# The agent logs each failed rank's traceback at ERROR; the rank already sent it, with its prefix.
+logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+
+
+def launch_config(
+    spec: JobSpec, *, node_rank: int, master: tuple[str, int] | None, host: str, log_dir: str
+) -> LaunchConfig:
+    """torchrun's configuration for one node: ``--standalone`` in local mode, else static rendezvous.
+
+    Static rendezvous with node rank = Spark partition id: Spark already placed the barrier
+    tasks, so nothing is left for an elastic rendezvous to decide.
+    """
+    common: dict[str, Any] = dict(
+        run_id=spec.run_id,
+        role="trainer",
+        max_restarts=spec.max_restarts,
+        monitor_interval=0.1,
+        start_method="fork",
+        rdzv_timeout=spec.rendezvous_timeout,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+    )
+    if master is None:
+        return LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=spec.num_processes,
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+            rdzv_configs={"join_timeout": spec.rendezvous_timeout},
+            **common,
+        )
+    return LaunchConfig(
+        min_nodes=spec.num_nodes,
+        max_nodes=spec.num_nodes,
+        nproc_per_node=spec.nproc_per_node,
+        rdzv_backend="static",
+        rdzv_endpoint=f"{master[0]}:{master[1]}",
+        rdzv_configs={"rank": node_rank, "timeout": spec.rendezvous_timeout},
+        local_addr=host,
+        **common,
+    )
+
+
+def rank_environment(spec: JobSpec, host: str, nproc: int) -> dict[str, str]:
+    """What every rank's environment gets on top of torchrun's, unless the cluster set it already."""
+    defaults = {"PYTHONUNBUFFERED": "1"}
+    if nproc > 1:
+        defaults["OMP_NUM_THREADS"] = "1"  # what the torchrun command does for several local ranks
+    ifname = interface_for_address(host)
+    if ifname:
+        defaults["GLOO_SOCKET_IFNAME"] = defaults["NCCL_SOCKET_IFNAME"] = ifname
+    env = {k: v for k, v in defaults.items() if k not in os.environ}
+    if spec.socket_ifname:  # an explicit choice beats whatever the cluster set
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = spec.socket_ifname
+    env["TORCHDIST_RUN_ID"] = spec.run_id
+    env.update(spec.rank_env)
+    return env
+
+
+def failure_from_process(rank: int, failure: ProcessFailure, host: str) -> RankFailure:
+    """Turn the agent's record of a dead rank into ours: exit code, signal, and the error file."""
+    signal_name = failure.signal_name()
+    record = RankFailure(
+        rank=rank,
+        host=host,
+        local_rank=failure.local_rank,
+        exitcode=failure.exitcode,
+        signal=None if signal_name == "<N/A>" else signal_name,
+    )
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    message = data.get("message")
+    if isinstance(message, dict):
+        text = str(message.get("message", ""))
+        exc_type, _, msg = text.partition(": ")
+        record.exc_type, record.message = (exc_type, msg) if msg else (None, text or None)
+        record.traceback = (message.get("extraInfo") or {}).get("py_callstack")
+    return record
+
+
+def launch_node(
+    spec: JobSpec,
+    *,
+    node_rank: int,
+    entry_path: str,
+    channel_address: tuple[str, int],
+    host: str,
+    master: tuple[str, int] | None = None,
+) -> list[RankFailure]:
+    """Run this node's ranks to the end; return their failures (empty when all succeeded).
+
+    ``master`` is node 0's rendezvous address in distributed mode, None in local mode.
+    """
+    nproc = spec.num_processes if master is None else spec.nproc_per_node
+    os.environ.update(rank_environment(spec, host, nproc))
+    log_dir = tempfile.mkdtemp(prefix="torchdist-agent-")
+    try:
+        config = launch_config(spec, node_rank=node_rank, master=master, host=host, log_dir=log_dir)
+        elastic_launch(config, run_rank)(spec, entry_path, channel_address, host)
+        return []
+    except ChildFailedError as exc:
+        return [failure_from_process(rank, f, host) for rank, f in sorted(exc.failures.items())]
+    except Exception as exc:  # rendezvous timeouts and the like: no rank owns these
+        return [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)

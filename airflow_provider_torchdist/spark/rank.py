@@ -1,0 +1,195 @@
+"""What each rank runs: load the work, call it, forward its output, send back rank 0's value.
+
+Ranks are forked by torchrun's agent from a process that has already imported torch, so a rank
+starts in milliseconds. Everything a rank prints goes through :class:`OutputCapture` to the driver.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import os
+import runpy
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+import cloudpickle
+
+from airflow_provider_torchdist.spark.channel import ChannelClient, rank_prefix
+from airflow_provider_torchdist.spark.jobspec import JobSpec
+
+_PR_SET_PDEATHSIG = 1
+_HERE = os.path.dirname(__file__)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent (the torchrun agent) dies.
+
+    A rank must never outlive its agent: an orphan keeps holding GPUs and ports.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class OutputCapture:
+    """Sends every line written to fds 1 and 2 (by Python, C code or children) to the driver.
+
+    Lines of any length pass whole. ``\\r`` ends a line too, so progress-bar redraws become
+    readable lines instead of one giant line. If the channel breaks, lines go to the original
+    stderr instead, after a notice that says so.
+    """
+
+    def __init__(self, client: ChannelClient | None, prefix: str) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._saved: dict[int, int] = {}
+        self._threads: list[threading.Thread] = []
+        self._fallback_noted = False
+
+    def start(self) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        for fd, name in ((1, "out"), (2, "err")):
+            self._saved[fd] = os.dup(fd)
+            read_end, write_end = os.pipe()
+            os.dup2(write_end, fd)
+            os.close(write_end)
+            thread = threading.Thread(target=self._pump, args=(read_end, name), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        # Python buffers a pipe in blocks; the log should follow the training as it happens.
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        for fd, saved in self._saved.items():
+            os.dup2(saved, fd)  # closes our pipe's last write end, so the pump sees EOF
+        for thread in self._threads:
+            thread.join(timeout)
+        for saved in self._saved.values():
+            os.close(saved)
+        self._saved.clear()
+
+    def _emit(self, stream: str, text: str) -> None:
+        if self._client is not None and self._client.line(stream, text):
+            return
+        out = self._saved.get(2)
+        if out is None:
+            return
+        if not self._fallback_noted:
+            self._fallback_noted = True
+            why = self._client.broken if self._client else "not connected"
+            os.write(
+                out, f"[torchdist] log channel to the driver is down ({why}); output follows here\n".encode()
+            )
+        os.write(out, f"{self._prefix} {text}\n".encode(errors="replace"))
+
+    def _pump(self, read_end: int, stream: str) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        pending = ""
+        last = None
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while True:
+                data = pipe.read(65536)
+                pending += decoder.decode(data or b"", final=not data)
+                # Hold a trailing \r back: it may be the first half of \r\n.
+                cut = len(pending) - 1 if data and pending.endswith("\r") else len(pending)
+                lines = pending[:cut].replace("\r\n", "\n").replace("\r", "\n").split("\n")
+                pending = lines.pop() + pending[cut:]
+                for line in lines:
+                    if line and line != last:  # redraws of an unchanged bar add nothing
+                        self._emit(stream, line)
+                    last = line
+                if not data:
+                    if pending:
+                        self._emit(stream, pending)
+                    return
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback from the user's first frame on: the frames of this module are noise to them."""
+    tb = exc.__traceback__
+    while tb is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == _HERE:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def describe_exception(exc: BaseException) -> dict[str, Any]:
+    """The fields of a :class:`RankFailure` that a rank knows about its own exception."""
+    if isinstance(exc, SystemExit):
+        return {"exc_type": "SystemExit", "message": f"exit code {exc.code}", "exitcode": exc.code}
+    return {
+        "exc_type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+        "message": str(exc),
+        "traceback": user_traceback(exc),
+    }
+
+
+def call_entry(spec: JobSpec, entry_path: str) -> Any:
+    """Run the user's work in this process: the pickled callable, or the script as ``__main__``."""
+    if spec.kind == "callable":
+        with open(entry_path, "rb") as f:
+            payload = cloudpickle.load(f)
+        return payload["fn"](*payload["args"], **payload["kwargs"])
+    sys.argv = [entry_path, *spec.script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(entry_path)))
+    runpy.run_path(entry_path, run_name="__main__")
+    return None
+
+
+def run_rank(spec: JobSpec, entry_path: str, channel_address: tuple[str, int], host: str) -> None:
+    """The entry point torchrun's agent calls in every rank it forks."""
+    die_with_parent()
+    rank = int(os.environ["RANK"])
+    prefix = rank_prefix(rank, host)
+    try:
+        client: ChannelClient | None = ChannelClient(channel_address, spec.token, rank, host)
+    except OSError as exc:
+        print(f"[torchdist] {prefix} cannot reach the driver at {channel_address}: {exc}", file=sys.stderr)
+        client = None
+    capture = OutputCapture(client, prefix)
+    capture.start()
+    try:
+        value = call_entry(spec, entry_path)
+        if rank == 0 and spec.kind == "callable":
+            send_output(client, value)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            if client:
+                client.error(describe_exception(exc))
+            raise
+    except BaseException as exc:
+        sys.stderr.write(user_traceback(exc))
+        if client:
+            client.error(describe_exception(exc))
+        raise
+    finally:
+        capture.stop()
+        if client:
+            client.close()
+
+
+def send_output(client: ChannelClient | None, value: Any) -> None:
+    """Pickle rank 0's return value and stream it to the driver, which writes it once, atomically."""
+    try:
+        data = cloudpickle.dumps(value, protocol=5)
+    except Exception as exc:
+        raise TypeError(
+            f"rank 0's return value ({type(value).__qualname__}) could not be pickled: {exc}. "
+            "Return plain data (numbers, lists, dicts, tensors, state_dicts) instead."
+        ) from exc
+    if client is None or not client.output(data):
+        why = client.broken if client else "no connection"
+        raise ConnectionError(f"rank 0 could not send its return value to the driver: {why}")

@@ -1,0 +1,215 @@
+"""Packaging a run: the private staging directory, the pickled payload or script, the job spec.
+
+The directory is created 0700 and every file in it 0600, so other users on the Airflow worker
+cannot read the training code or swap it. It is removed after the run.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import sys
+import sysconfig
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import cloudpickle
+
+from airflow_provider_torchdist.errors import InvalidTrainingConfig, PayloadNotPicklable
+from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE, PAYLOAD_FILE, JobSpec
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+SPARK_ZIP = "torchdist_spark.zip"
+DRIVER_SCRIPT = "torchdist_driver.py"
+_DRIVER_SOURCE = (
+    "import sys\nfrom airflow_provider_torchdist.spark.driver import main\nsys.exit(main(sys.argv))\n"
+)
+
+
+@dataclass
+class StagedRun:
+    """A staged run: what spark-submit needs (files, py-files, driver, spec) and where output lands."""
+
+    dir: Path
+    spec: JobSpec
+    spec_path: Path
+    driver_path: Path
+    files: list[str]
+    py_files: str
+
+    @property
+    def output_path(self) -> Path:
+        return self.dir / OUTPUT_FILE
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _library_roots() -> list[str]:
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    roots |= {sys.base_prefix, sys.prefix} - {""}
+    return sorted({os.path.realpath(r) for r in roots})
+
+
+def modules_to_pickle_by_value() -> list[ModuleType]:
+    """Loaded modules that Spark executors could not import by name.
+
+    Airflow imports DAG files under generated module names, and the DAG folder is not on the
+    executors' path, so cloudpickle's default (pickle functions from importable modules by
+    reference) would fail there. Any module whose file lies outside the standard library and
+    site-packages is user code: it travels by value. This provider's own code travels as
+    ``--py-files`` instead.
+    """
+    roots = _library_roots()
+    found = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not file or name == "__main__" or name.split(".")[0] == "airflow_provider_torchdist":
+            continue
+        real = os.path.realpath(file)
+        if not any(real.startswith(root + os.sep) for root in roots):
+            found.append(module)
+    return found
+
+
+@contextmanager
+def _by_value(modules: list[ModuleType]) -> Iterator[None]:
+    already = cloudpickle.list_registry_pickle_by_value()
+    added = [m for m in modules if m.__name__ not in already]
+    for module in added:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        yield
+    finally:
+        for module in added:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def _dumps(obj: Any) -> bytes:
+    return cloudpickle.dumps(obj, protocol=5)
+
+
+def _culprit(label: str, obj: Any, depth: int = 0) -> str | None:
+    """Name the innermost piece of ``obj`` that cannot be pickled, e.g. ``closure variable 'lock'``."""
+    try:
+        _dumps(obj)
+        return None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    code = getattr(obj, "__code__", None)
+    if code is not None and depth < 3:
+        parts: list[tuple[str, Any]] = []
+        for name, cell in zip(code.co_freevars, getattr(obj, "__closure__", None) or (), strict=False):
+            try:
+                parts.append((f"closure variable {name!r} of {obj.__qualname__}", cell.cell_contents))
+            except ValueError:  # an empty cell
+                continue
+        globals_ = getattr(obj, "__globals__", {})
+        parts += [
+            (f"global {n!r} used by {obj.__qualname__}", globals_[n]) for n in code.co_names if n in globals_
+        ]
+        parts += [
+            (f"default argument of {obj.__qualname__}", d) for d in getattr(obj, "__defaults__", None) or ()
+        ]
+        for sub_label, sub in parts:
+            found = _culprit(sub_label, sub, depth + 1)
+            if found:
+                return found
+    return f"{label} ({type(obj).__name__}): {error}"
+
+
+def pickle_payload(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> bytes:
+    """cloudpickle the callable with its arguments, user modules by value; name what fails."""
+    with _by_value(modules_to_pickle_by_value()):
+        try:
+            return _dumps({"fn": fn, "args": tuple(args), "kwargs": kwargs})
+        except Exception:
+            pieces = [("train_object " + getattr(fn, "__qualname__", repr(fn)), fn)]
+            pieces += [(f"args[{i}]", a) for i, a in enumerate(args)]
+            pieces += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+            culprit = next(filter(None, (_culprit(label, obj) for label, obj in pieces)), None)
+            raise PayloadNotPicklable(
+                f"Cannot pickle the training payload: {culprit or 'unknown object'}. The callable, what it "
+                "refers to (globals, closure, defaults) and its args/kwargs are cloudpickled to ship them "
+                "to Spark; create locks, open files, sockets and clients inside the function instead."
+            ) from None
+
+
+def _spark_zip(dest: Path) -> None:
+    """Zip the Spark side of this package for ``--py-files``: the cluster installs nothing."""
+    with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.write(PACKAGE_DIR / "__init__.py", "airflow_provider_torchdist/__init__.py")
+        for path in sorted((PACKAGE_DIR / "spark").glob("*.py")):
+            zf.write(path, f"airflow_provider_torchdist/spark/{path.name}")
+    os.chmod(dest, 0o600)
+
+
+def stage_run(
+    train_object: Callable[..., Any] | str,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    *,
+    base_dir: str | None = None,
+    **spec_fields: Any,
+) -> StagedRun:
+    """Check and pickle the work, then write everything a run needs into a fresh private directory.
+
+    Raises before anything is written when a script is missing or the payload cannot be pickled.
+    """
+    if callable(train_object):
+        kind, entry, data = "callable", PAYLOAD_FILE, pickle_payload(train_object, args, kwargs)
+        script_args: list[str] = []
+    else:
+        script = Path(train_object).expanduser()
+        if not script.is_file():
+            raise InvalidTrainingConfig(
+                f"train_object script {str(train_object)!r} does not exist on this Airflow worker "
+                f"(resolved to {script.resolve()}). Give the path of a .py file that the worker can read."
+            )
+        if kwargs:
+            raise InvalidTrainingConfig(
+                "kwargs apply to callables only; pass a script's options in args, e.g. args=['--epochs', '3']"
+            )
+        kind, entry, data = "script", script.name, script.read_bytes()
+        script_args = [str(a) for a in args]
+    staging = Path(tempfile.mkdtemp(prefix="torchdist-", dir=base_dir))
+    try:
+        _write_private(staging / entry, data)
+        spec = JobSpec(
+            kind=kind,
+            entry=entry,
+            script_args=script_args,
+            run_id=staging.name.removeprefix("torchdist-") + secrets.token_hex(4),
+            token=secrets.token_urlsafe(32),
+            **spec_fields,
+        )
+        spec_path = spec.write(staging)
+        os.chmod(spec_path, 0o600)
+        _spark_zip(staging / SPARK_ZIP)
+        driver = staging / DRIVER_SCRIPT
+        _write_private(driver, _DRIVER_SOURCE.encode())
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return StagedRun(
+        dir=staging,
+        spec=spec,
+        spec_path=spec_path,
+        driver_path=driver,
+        files=[str(staging / entry)],
+        py_files=str(staging / SPARK_ZIP),
+    )
