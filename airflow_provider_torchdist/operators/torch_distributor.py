@@ -141,6 +141,18 @@ class TorchDistributorOperator(BaseOperator):
                 if isinstance(getattr(self, field), str):
                     check_args(getattr(self, field), field.removeprefix("train_"), list)
 
+    def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:
+        # Airflow calls a callable template field as ``value(context=..., jinja_env=...)``; a
+        # training callable is the work itself, not a template, so only a script path renders.
+        train_object = self.train_object
+        if callable(train_object):
+            self.train_object = None
+        try:
+            super().render_template_fields(context, jinja_env)
+        finally:
+            if callable(train_object):
+                self.train_object = train_object
+
     def make_hook(self) -> TorchDistributorHook:
         return TorchDistributorHook(
             num_processes=self.num_processes,

@@ -1,0 +1,80 @@
+"""DAG-level tests on a real SQLite metadata DB: the operator, XCom and a downstream task."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).parent
+DAGS = HERE.parent / "dags"
+DAG_IDS = ["torchdist_e2e_local", "torchdist_e2e_distributed", "torchdist_e2e_failure"]
+
+
+@pytest.fixture(scope="module")
+def dag_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
+    """Migrate a fresh SQLite DB, then run the test DAGs once, in one Airflow process."""
+    home = tmp_path_factory.mktemp("airflow_dags_home")
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+    }
+    subprocess.run(
+        [sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True
+    )
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "run_dags.py"), str(DAGS), *DAG_IDS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = proc.stdout + proc.stderr
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("DAG_STATES ")), None)
+    assert line, f"run_dags.py printed no states (exit {proc.returncode}):\n{output[-5000:]}"
+    return json.loads(line.removeprefix("DAG_STATES ")), home / "airflow.db", output
+
+
+def xcom(db: Path, dag_id: str, run_id: str, task_id: str) -> object:
+    with sqlite3.connect(db) as conn:
+        row = conn.execute(
+            "SELECT value FROM xcom WHERE dag_id=? AND run_id=? AND task_id=? AND key='return_value'",
+            (dag_id, run_id, task_id),
+        ).fetchone()
+    assert row is not None, f"no XCom return_value for {dag_id}.{task_id}"
+    value = json.loads(row[0])
+    return json.loads(value) if isinstance(value, str) else value
+
+
+@pytest.mark.parametrize("dag_id", ["torchdist_e2e_local", "torchdist_e2e_distributed"])
+def test_downstream_task_reads_rank_zero_value(dag_runs: tuple[dict, Path, str], dag_id: str) -> None:
+    states, db, output = dag_runs
+    assert states[dag_id]["state"] == "success", output[-5000:]
+    summary = xcom(db, dag_id, states[dag_id]["run_id"], "evaluate")
+    assert summary == {"rank": 0, "world_size": 2, "tensor_type": "Tensor", "ranks": [2.0, 4.0]}
+    # What the train task pushed is the documented envelope (a dict of tensors is not JSON).
+    pushed = xcom(db, dag_id, states[dag_id]["run_id"], "train")
+    assert pushed["__torchdist_output__"] == 1 and pushed["format"] == "cloudpickle"
+
+
+def test_failing_rank_fails_the_task_with_its_error(dag_runs: tuple[dict, Path, str]) -> None:
+    states, db, output = dag_runs
+    assert states["torchdist_e2e_failure"]["state"] == "failed"
+    assert "rank 1 on 127.0.0.1 failed: RuntimeError: rank 1 was told to fail" in output
+    with sqlite3.connect(db) as conn:
+        rows = dict(
+            conn.execute(
+                "SELECT task_id, state FROM task_instance WHERE dag_id='torchdist_e2e_failure'"
+            ).fetchall()
+        )
+    assert rows["train"] == "failed"
+    assert rows["evaluate"] == "upstream_failed"

@@ -1,0 +1,220 @@
+"""End to end through TorchDistributorHook: real spark-submit (local[2]), real torchrun agents and ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from airflow_provider_torchdist import TorchDistributorHook
+from airflow_provider_torchdist.errors import InvalidTrainingConfig, PayloadNotPicklable, TrainingFailed
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_leftovers")]
+
+MODES = [pytest.param(True, id="local_mode"), pytest.param(False, id="distributed")]
+
+
+def _allreduce_rank() -> tuple[int, int, float]:
+    """A helper the training function calls: pickled by value along with it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    return dist.get_rank(), dist.get_world_size(), total.item()
+
+
+def train_and_report(scale: float, *, offset: float = 0.0) -> dict:
+    rank, world_size, total = _allreduce_rank()
+    print(f"hello from rank {rank} of {world_size}")
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "allreduce": total,
+        "pid": os.getpid(),
+        "tensor": torch.arange(3, dtype=torch.float32) * scale + offset,
+    }
+
+
+def fail_on_rank_one() -> int:
+    rank, _, _ = _allreduce_rank()
+    if rank == 1:
+        raise ValueError("rank one refuses to train")
+    return rank
+
+
+@pytest.mark.parametrize("local_mode", MODES)
+def test_callable_returns_rank_zero_value(local_mode: bool, capfd: pytest.CaptureFixture[str]) -> None:
+    hook = TorchDistributorHook(num_processes=2, local_mode=local_mode, use_gpu=False)
+    result = hook.run(train_and_report, 2.0, offset=1.0)
+
+    assert result["rank"] == 0
+    assert result["world_size"] == 2
+    assert result["allreduce"] == 1.0  # 0 + 1: both ranks really joined one process group
+    assert torch.equal(result["tensor"], torch.tensor([1.0, 3.0, 5.0]))
+    logs = capfd.readouterr()
+    text = logs.out + logs.err
+    assert "[rank 0 @ 127.0.0.1] hello from rank 0 of 2" in text
+    assert "[rank 1 @ 127.0.0.1] hello from rank 1 of 2" in text
+    assert f"local[{1 if local_mode else 2}]" in text  # the embedded master, sized for the job
+
+
+@pytest.mark.parametrize("local_mode", MODES)
+def test_rank_one_exception_fails_run_naming_rank(local_mode: bool) -> None:
+    hook = TorchDistributorHook(num_processes=2, local_mode=local_mode)
+    with pytest.raises(TrainingFailed) as info:
+        hook.run(fail_on_rank_one)
+
+    assert info.value.failed_ranks == [1]
+    message = str(info.value)
+    assert "rank 1" in message
+    assert "ValueError: rank one refuses to train" in message
+    assert "in fail_on_rank_one" in message  # the user's traceback travels with the error
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch.distributed as dist
+
+    out_dir, exit_rank = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    print(f"script rank {rank} args {sys.argv[1:]}")
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "world_size": dist.get_world_size(), "name": __name__}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == exit_rank:
+        sys.exit(3)
+    """
+)
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train_script.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+@pytest.mark.parametrize("local_mode", MODES)
+def test_script_runs_on_every_rank(local_mode: bool, script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    hook = TorchDistributorHook(num_processes=2, local_mode=local_mode)
+
+    assert hook.run(str(script), str(out), "-1") is None  # scripts return None, as documented
+
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert {r["world_size"] for r in reports} == {2}
+    assert {r["name"] for r in reports} == {"__main__"}
+
+
+@pytest.mark.parametrize("local_mode", MODES)
+def test_script_rank_one_exit_code_fails_run(local_mode: bool, script: Path, tmp_path: Path) -> None:
+    hook = TorchDistributorHook(num_processes=2, local_mode=local_mode)
+    with pytest.raises(TrainingFailed) as info:
+        hook.run(str(script), str(tmp_path), "1")
+
+    assert info.value.failed_ranks == [1]
+    assert info.value.failures[0].exitcode == 3
+    assert "exit code 3" in str(info.value)
+
+
+def test_unpicklable_callable_fails_before_spark_submit() -> None:
+    lock = threading.Lock()
+
+    def train_with_lock() -> int:
+        with lock:
+            return 1
+
+    hook = TorchDistributorHook(num_processes=2)
+    with pytest.raises(PayloadNotPicklable, match="closure variable 'lock'") as info:
+        hook.run(train_with_lock)
+    assert "pickle" in str(info.value)
+    assert hook._submit_sp is None  # spark-submit never started
+
+
+def test_missing_script_fails_before_spark_submit(tmp_path: Path) -> None:
+    hook = TorchDistributorHook(num_processes=2)
+    with pytest.raises(InvalidTrainingConfig, match="does not exist"):
+        hook.run(str(tmp_path / "nope.py"))
+    assert hook._submit_sp is None
+
+
+def test_spark_connection_master_is_used(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_LOCAL3", json.dumps({"conn_type": "spark", "host": "local[3]"}))
+    hook = TorchDistributorHook(
+        num_processes=2,
+        conn_id="spark_local3",
+        conf={"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"},
+        env_vars={"SPARK_LOCAL_IP": "127.0.0.1"},
+    )
+    assert not hook.embedded
+    assert hook.run(train_and_report, 1.0)["world_size"] == 2
+    text = "".join(capfd.readouterr())
+    assert "--master local[3]" in text
+    assert "master local[3]" in text  # what the driver itself saw
+
+
+def lightning_train() -> dict:
+    """A stock PyTorch Lightning DDP loop, unchanged: it must find torchrun's environment."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Regressor(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.layer(x), y)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    data = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=16)
+    trainer = L.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=1,
+        num_nodes=2,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Regressor(), data)
+    return {
+        "global_rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+    }
+
+
+def test_lightning_ddp_trainer_across_two_spark_tasks() -> None:
+    result = TorchDistributorHook(num_processes=2, local_mode=False).run(lightning_train)
+    assert result["global_rank"] == 0
+    assert result["world_size"] == 2
+    assert "train_loss" in result["metrics"]
+    assert result["metrics"]["train_loss"] >= 0
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
