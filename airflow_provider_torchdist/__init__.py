@@ -1,6 +1,7 @@
 """Run a PyTorch training callable or script as a distributed job on Spark, from Airflow.
 
-Public names: :class:`TorchDistributorOperator`, :class:`TorchDistributorHook`, :func:`load_output`.
+Public names: :class:`TorchDistributorOperator`, :class:`TorchDistributorHook`, :func:`load_output`,
+and :func:`report` for training code.
 They load lazily, so the Spark side (``airflow_provider_torchdist.spark``), which ships to the
 cluster inside this package, never imports Airflow.
 """
@@ -11,18 +12,20 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["TorchDistributorHook", "TorchDistributorOperator", "load_output"]
+__all__ = ["TorchDistributorHook", "TorchDistributorOperator", "load_output", "report"]
 
 _LAZY = {
     "TorchDistributorOperator": "airflow_provider_torchdist.operators.torch_distributor",
     "TorchDistributorHook": "airflow_provider_torchdist.hooks.torch_distributor",
     "load_output": "airflow_provider_torchdist.results",
+    "report": "airflow_provider_torchdist.spark.metrics",
 }
 
 if TYPE_CHECKING:
     from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
     from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
     from airflow_provider_torchdist.results import load_output
+    from airflow_provider_torchdist.spark.metrics import report
 
 
 def __getattr__(name: str) -> Any:

@@ -85,6 +85,8 @@ class TorchDistributorHook(SparkSubmitHook):
         self.staging_dir = staging_dir
         self.embedded = False
         self._staged: StagedRun | None = None
+        #: What the last run's training code reported with ``report()``, in order.
+        self.metrics: list[dict[str, Any]] = []
         spark_submit_kwargs.setdefault("name", "torchdist")
         super().__init__(conf={**_APP_CONF, **(conf or {})}, conn_id=conn_id, **spark_submit_kwargs)
         if self._connection["deploy_mode"] == "cluster":
@@ -222,6 +224,7 @@ class TorchDistributorHook(SparkSubmitHook):
         except AirflowException as exc:
             submit_error = exc
         outcome = Outcome.read(staged.dir)
+        self.metrics = outcome.metrics if outcome else []
         if outcome is None:
             raise SparkSubmitFailed(
                 f"The Spark application ended before the training driver reported an outcome: {submit_error}"

@@ -18,6 +18,9 @@ from airflow_provider_torchdist.validation import (
     is_template,
 )
 
+#: XCom key of the list of ``report()`` records: ``[{"rank": 0, "step": 3, "time": ..., "loss": 0.12}, ...]``.
+METRICS_XCOM_KEY = "metrics"
+
 
 class TorchDistributorOperator(BaseOperator):
     """Train a PyTorch callable or script on Spark and push global rank 0's return value to XCom.
@@ -170,7 +173,12 @@ class TorchDistributorOperator(BaseOperator):
     def execute(self, context: Any) -> Any:
         self._validate(at_parse_time=False)
         self._hook = self.make_hook()
-        pickled = self._hook.run_pickled(self.train_object, self.train_args, self.train_kwargs)
+        try:
+            pickled = self._hook.run_pickled(self.train_object, self.train_args, self.train_kwargs)
+        finally:
+            # The metric history is worth having after a failure too (the last loss before it).
+            if self._hook.metrics:
+                context["ti"].xcom_push(key=METRICS_XCOM_KEY, value=self._hook.metrics)
         return to_xcom(pickled)
 
     def on_kill(self) -> None:

@@ -9,6 +9,7 @@ Messages:
 - ``{"k": "line", "s": "out"|"err", "l": text}``: one line a rank printed, forwarded to the task log;
 - ``{"k": "error", ...}``: the exception a rank raised (type, message, traceback);
 - ``{"k": "failures", "failures": [...]}``: an agent's verdict that its node failed;
+- ``{"k": "metric", "m": {...}}``: a ``report()`` from training code, logged and kept in order;
 - ``{"k": "output", "n": size}`` + ``size`` bytes: rank 0's pickled return value;
 - ``{"k": "bye"}``: a clean close. A connection that ends without it is reported in the log.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE
+from airflow_provider_torchdist.spark.metrics import format_metrics
 from airflow_provider_torchdist.spark.outcome import RankFailure
 
 HELLO_TIMEOUT_S = 10.0
@@ -65,6 +67,7 @@ class RunChannel:
         self._state_lock = threading.Lock()
         self.rank_errors: dict[int, RankFailure] = {}
         self.agent_failures: list[RankFailure] = []
+        self.metrics: list[dict[str, Any]] = []
         self.rejected = 0
         channel = self
 
@@ -149,6 +152,10 @@ class RunChannel:
                         self.agent_failures.extend(RankFailure(**f) for f in msg["failures"])
                     if self._on_failure:
                         self._on_failure()
+                elif kind == "metric":
+                    with self._state_lock:
+                        self.metrics.append(msg["m"])
+                    self._print(f"[metrics] {format_metrics(msg['m'])}")
                 elif kind == "output":
                     self._receive_output(rank, int(msg["n"]), rfile)
                 elif kind == "bye":

@@ -31,7 +31,9 @@ def run_local(spec: JobSpec, staging: Path) -> Outcome:
             channel_address=channel.address,
             host=LOCAL_HOST,
         )
-    return Outcome(ok=not channel.failures, failures=channel.failures, hosts=[LOCAL_HOST])
+    return Outcome(
+        ok=not channel.failures, failures=channel.failures, hosts=[LOCAL_HOST], metrics=channel.metrics
+    )
 
 
 def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
@@ -67,7 +69,11 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
                 error = None if channel.failures else _first_line(exc)
         failures = channel.failures
         return Outcome(
-            ok=not failures and error is None, failures=failures, error=error, hosts=_hosts(results)
+            ok=not failures and error is None,
+            failures=failures,
+            error=error,
+            hosts=_hosts(results),
+            metrics=channel.metrics,
         )
     finally:
         sc.stop()

@@ -58,6 +58,8 @@ class Outcome:
     error: str | None = None
     #: Hosts the torchrun agents ran on, by node rank.
     hosts: list[str] = field(default_factory=list)
+    #: What training code reported with ``report()``, in arrival order.
+    metrics: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -24,6 +24,9 @@ from airflow_provider_torchdist.spark.jobspec import JobSpec
 _PR_SET_PDEATHSIG = 1
 _HERE = os.path.dirname(__file__)
 
+#: This rank's connection to the driver, for ``report()``; None outside a run.
+CHANNEL: ChannelClient | None = None
+
 
 def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when its parent (the torchrun agent) dies.
@@ -159,6 +162,8 @@ def run_rank(spec: JobSpec, entry_path: str, channel_address: tuple[str, int], h
     except OSError as exc:
         print(f"[torchdist] {prefix} cannot reach the driver at {channel_address}: {exc}", file=sys.stderr)
         client = None
+    global CHANNEL
+    CHANNEL = client
     capture = OutputCapture(client, prefix)
     capture.start()
     try:

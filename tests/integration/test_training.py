@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from airflow_provider_torchdist import TorchDistributorHook
+from airflow_provider_torchdist import TorchDistributorHook, report
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, PayloadNotPicklable, TrainingFailed
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_leftovers")]
@@ -33,6 +33,7 @@ def _allreduce_rank() -> tuple[int, int, float]:
 def train_and_report(scale: float, *, offset: float = 0.0) -> dict:
     rank, world_size, total = _allreduce_rank()
     print(f"hello from rank {rank} of {world_size}")
+    report(step=1, loss=torch.tensor(0.5) + rank)  # only rank 0's report is kept by default
     return {
         "rank": rank,
         "world_size": world_size,
@@ -58,11 +59,13 @@ def test_callable_returns_rank_zero_value(local_mode: bool, capfd: pytest.Captur
     assert result["world_size"] == 2
     assert result["allreduce"] == 1.0  # 0 + 1: both ranks really joined one process group
     assert torch.equal(result["tensor"], torch.tensor([1.0, 3.0, 5.0]))
+    assert [(m["rank"], m["step"], m["loss"]) for m in hook.metrics] == [(0, 1, 0.5)]
     logs = capfd.readouterr()
     text = logs.out + logs.err
     assert "[rank 0 @ 127.0.0.1] hello from rank 0 of 2" in text
     assert "[rank 1 @ 127.0.0.1] hello from rank 1 of 2" in text
     assert f"local[{1 if local_mode else 2}]" in text  # the embedded master, sized for the job
+    assert "[metrics] rank 0 step 1: loss=0.5" in text
 
 
 @pytest.mark.parametrize("local_mode", MODES)
