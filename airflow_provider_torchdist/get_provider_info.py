@@ -6,6 +6,15 @@ from typing import Any
 
 
 def get_provider_info() -> dict[str, Any]:
+    """What ``airflow providers list`` shows, validated against Airflow's ``provider_info.schema.json``.
+
+    No ``connection-types``: the hook uses the Spark provider's ``spark`` connection type as it is
+    (``TorchDistributorHook`` subclasses ``SparkSubmitHook``; default ``spark_default``, or an
+    embedded local master when that is undefined). Airflow 3.3 describes a connection's form
+    (``conn-fields``, ``ui-field-behaviour``) only inside a ``connection-types`` entry, and a
+    second provider declaring ``spark`` is ignored with a warning, so the Spark provider's own
+    form (host, port, deploy-mode, queue, spark-binary, namespace, ...) stays the one in the UI.
+    """
     from airflow_provider_torchdist import __version__
 
     return {
@@ -33,4 +42,6 @@ def get_provider_info() -> dict[str, Any]:
                 "python-modules": ["airflow_provider_torchdist.hooks.torch_distributor"],
             }
         ],
+        # The "Spark UI" button on a train task instance (TorchDistributorOperator.operator_extra_links).
+        "extra-links": ["airflow_provider_torchdist.links.SparkUILink"],
     }

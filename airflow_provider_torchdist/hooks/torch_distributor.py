@@ -20,12 +20,19 @@ from airflow_provider_torchdist.staging import StagedRun, stage_run
 from airflow_provider_torchdist.validation import check_args, check_bool, check_int, check_topology
 
 DEFAULT_CONN_ID = "spark_default"
+#: Connection extra with the standalone master's web UI, e.g. ``http://spark-master:8080``: with it the
+#: hook checks before submitting that the cluster can ever fit the job.
+MASTER_WEB_UI_EXTRA = "master-web-ui"
 EMBEDDED_HOST = "127.0.0.1"
 
 # Defaults for our own application; anything the user puts in ``conf`` wins.
 _APP_CONF = {
     "spark.ui.showConsoleProgress": "false",
     "spark.log.level": "WARN",
+    # Spark's own check for a barrier stage too big for the cluster retries 40 times, 15 s apart;
+    # the driver checks first (slot_timeout), this is the backstop.
+    "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "1s",
+    "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "20",
 }
 
 
@@ -67,6 +74,7 @@ class TorchDistributorHook(SparkSubmitHook):
         nproc_per_node: int = 1,
         max_restarts: int = 0,
         rendezvous_timeout: int = 300,
+        slot_timeout: float = 20.0,
         socket_ifname: str | None = None,
         conn_id: str = DEFAULT_CONN_ID,
         conf: dict[str, Any] | None = None,
@@ -80,15 +88,21 @@ class TorchDistributorHook(SparkSubmitHook):
         self.use_gpu = check_bool(use_gpu, "use_gpu")
         self.max_restarts = check_int(max_restarts, "max_restarts", minimum=0)
         self.rendezvous_timeout = check_int(rendezvous_timeout, "rendezvous_timeout")
+        self.slot_timeout = float(slot_timeout)
         self.socket_ifname = socket_ifname
         self.rank_env = {str(k): str(v) for k, v in (rank_env or {}).items()}
         self.staging_dir = staging_dir
         self.embedded = False
+        self.master_web_ui: str | None = None
         self._staged: StagedRun | None = None
         #: What the last run's training code reported with ``report()``, in order.
         self.metrics: list[dict[str, Any]] = []
         spark_submit_kwargs.setdefault("name", "torchdist")
-        super().__init__(conf={**_APP_CONF, **(conf or {})}, conn_id=conn_id, **spark_submit_kwargs)
+        super().__init__(
+            conf={**self._topology_conf(), **_APP_CONF, **(conf or {})},
+            conn_id=conn_id,
+            **spark_submit_kwargs,
+        )
         if self._connection["deploy_mode"] == "cluster":
             raise InvalidTrainingConfig(
                 "deploy_mode='cluster' is not supported: the driver reports rank 0's value and each "
@@ -105,9 +119,24 @@ class TorchDistributorHook(SparkSubmitHook):
         """Spark task slots the barrier stage needs (1 in local mode: the driver does the work)."""
         return 1 if self.local_mode else self.num_processes // self.nproc_per_node
 
+    def _topology_conf(self) -> dict[str, str]:
+        """One barrier task per slot: each task runs ``nproc_per_node`` ranks, so it takes that many
+        CPUs (or GPUs), and Spark places no two such tasks on a slot meant for one."""
+        if self.local_mode:
+            return {}
+        if self.use_gpu:
+            return {"spark.task.resource.gpu.amount": str(self.nproc_per_node)}
+        # On a shared standalone cluster an application takes every free core unless capped, which
+        # would starve the next run; take exactly what the barrier stage needs.
+        return {
+            "spark.task.cpus": str(self.nproc_per_node),
+            "spark.cores.max": str(self.num_processes),
+        }
+
     def _resolve_connection(self) -> dict[str, Any]:
         try:
-            self.get_connection(self._conn_id)
+            conn = self.get_connection(self._conn_id)
+            self.master_web_ui = conn.extra_dejson.get(MASTER_WEB_UI_EXTRA)
         except AirflowNotFoundException:
             if self._conn_id != DEFAULT_CONN_ID:
                 raise InvalidTrainingConfig(
@@ -120,7 +149,7 @@ class TorchDistributorHook(SparkSubmitHook):
 
     def _embedded_connection(self) -> dict[str, Any]:
         self.embedded = True
-        master = f"local[{self.slots_needed}]"
+        master = f"local[{self.num_processes if not self.local_mode else 1}]"
         self.log.info(
             "No Spark connection %r is configured: running on an embedded local Spark master %s on %s. "
             "Create a 'spark' connection to use a cluster.",
@@ -164,13 +193,52 @@ class TorchDistributorHook(SparkSubmitHook):
         """``use_gpu`` needs Spark to schedule GPUs to the barrier tasks; say how when it does not."""
         if not self.use_gpu or self.local_mode:
             return
-        if not self._conf.get("spark.task.resource.gpu.amount"):
+        if self._connection["master"].startswith("local"):
+            raise InvalidTrainingConfig(
+                f"use_gpu=True in distributed mode needs a cluster: Spark's {self._connection['master']} "
+                "master cannot assign GPUs to tasks (its tasks would wait forever). Use local_mode=True "
+                "to run the ranks on the driver's GPUs, or a Spark connection to a GPU cluster."
+            )
+        if not self._conf.get("spark.executor.resource.gpu.amount"):
             raise InvalidTrainingConfig(
                 "use_gpu=True needs Spark to assign GPUs to tasks: set conf "
-                "spark.executor.resource.gpu.amount, spark.task.resource.gpu.amount (e.g. "
-                f"{self.nproc_per_node}) and, for standalone/local clusters, "
-                "spark.executor.resource.gpu.discoveryScript. Or run with use_gpu=False."
+                "spark.executor.resource.gpu.amount (GPUs per executor) and, for standalone clusters, "
+                "spark.executor.resource.gpu.discoveryScript (spark.task.resource.gpu.amount defaults to "
+                f"nproc_per_node={self.nproc_per_node}). Or run with use_gpu=False."
             )
+
+    def check_cluster_capacity(self) -> float | None:
+        """With the master's web UI known, fail before submitting when the cluster can never fit the job.
+
+        Returns the driver's slot timeout: None (wait as long as it takes, saying so in the log) when
+        the cluster can fit the stage once other work ends, ``slot_timeout`` when capacity is unknown.
+        """
+        if self.local_mode or not self.master_web_ui:
+            return self.slot_timeout
+        import requests
+
+        try:
+            state = requests.get(self.master_web_ui.rstrip("/") + "/json/", timeout=5).json()
+        except (requests.RequestException, ValueError) as exc:
+            self.log.warning("Could not read the Spark master's state at %s: %s", self.master_web_ui, exc)
+            return self.slot_timeout
+        workers = [w for w in state.get("workers", []) if w.get("state") == "ALIVE"]
+        if self.use_gpu:
+            per_worker = [
+                len((w.get("resources") or {}).get("gpu", {}).get("addresses", [])) for w in workers
+            ]
+        else:
+            per_worker = [int(w.get("cores", 0)) for w in workers]
+        slots = sum(n // self.nproc_per_node for n in per_worker)
+        if slots < self.slots_needed:
+            unit = "GPUs" if self.use_gpu else "cores"
+            raise InvalidTrainingConfig(
+                f"The barrier stage needs {self.slots_needed} task slot(s) of {self.nproc_per_node} {unit} "
+                f"each at once, but the cluster at {self._connection['master']} can never offer more than "
+                f"{slots} ({len(workers)} alive worker(s) with {unit} {per_worker}). Lower num_processes, "
+                "change nproc_per_node, or add workers."
+            )
+        return None
 
     def run(self, train_object: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
         """Train, and return global rank 0's return value (None for a script).
@@ -188,6 +256,7 @@ class TorchDistributorHook(SparkSubmitHook):
     ) -> bytes | None:
         """Like :meth:`run`, but return rank 0's value still pickled (as the operator needs it)."""
         self.check_gpu_conf()
+        slot_timeout = self.check_cluster_capacity()
         staged = stage_run(
             train_object,
             check_args(args, "args", list),
@@ -199,6 +268,7 @@ class TorchDistributorHook(SparkSubmitHook):
             nproc_per_node=self.nproc_per_node,
             max_restarts=self.max_restarts,
             rendezvous_timeout=self.rendezvous_timeout,
+            slot_timeout=slot_timeout,
             socket_ifname=self.socket_ifname,
             rank_env=self.rank_env,
         )

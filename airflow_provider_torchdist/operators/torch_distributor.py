@@ -52,6 +52,9 @@ class TorchDistributorOperator(BaseOperator):
     :param use_gpu: map each task's Spark-assigned GPUs to its ranks and use NCCL.
     :param nproc_per_node: ranks per Spark task in distributed mode.
     :param max_restarts: restarts of the worker group by torchrun's agent.
+    :param rendezvous_timeout: seconds the ranks may take to find each other.
+    :param slot_timeout: seconds to wait for executors when the cluster's capacity is unknown.
+    :param socket_ifname: network interface for gloo/NCCL (default: the one carrying the task's address).
     :param conn_id: Spark connection; the default ``spark_default``, when undefined, means an
         embedded local master.
     :param conf: Spark configuration properties (templated, shown as JSON).
@@ -73,6 +76,7 @@ class TorchDistributorOperator(BaseOperator):
         "use_gpu",
         "nproc_per_node",
         "max_restarts",
+        "socket_ifname",
         "conf",
         "env_vars",
         "rank_env",
@@ -92,6 +96,9 @@ class TorchDistributorOperator(BaseOperator):
         use_gpu: bool | str = False,
         nproc_per_node: int | str = 1,
         max_restarts: int | str = 0,
+        rendezvous_timeout: int = 300,
+        slot_timeout: float = 20.0,
+        socket_ifname: str | None = None,
         conn_id: str = DEFAULT_CONN_ID,
         conf: dict[str, Any] | None = None,
         env_vars: dict[str, Any] | None = None,
@@ -108,6 +115,9 @@ class TorchDistributorOperator(BaseOperator):
         self.use_gpu = use_gpu
         self.nproc_per_node = nproc_per_node
         self.max_restarts = max_restarts
+        self.rendezvous_timeout = rendezvous_timeout
+        self.slot_timeout = slot_timeout
+        self.socket_ifname = socket_ifname
         self.conn_id = conn_id
         self.conf = conf
         self.env_vars = env_vars
@@ -163,6 +173,9 @@ class TorchDistributorOperator(BaseOperator):
             use_gpu=self.use_gpu,
             nproc_per_node=self.nproc_per_node,
             max_restarts=self.max_restarts,
+            rendezvous_timeout=self.rendezvous_timeout,
+            slot_timeout=self.slot_timeout,
+            socket_ifname=self.socket_ifname,
             conn_id=self.conn_id,
             conf=self.conf,
             env_vars=self.env_vars,

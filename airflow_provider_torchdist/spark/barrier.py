@@ -58,6 +58,9 @@ def barrier_task(spec: JobSpec, channel_address: tuple[str, int], _: Iterator[in
     ctx = BarrierTaskContext.get()
     node = ctx.partitionId()
     host = ctx.getTaskInfos()[node].address.rsplit(":", 1)[0]
+    # This node's own line to the driver: "started" now, its failures later.
+    client = ChannelClient(channel_address, spec.token, None, host)
+    client.send({"k": "node", "node": node})
     try:
         gpus = ctx.resources().get("gpu")
         os.environ.update(gpu_environment(spec, list(gpus.addresses) if gpus else None))
@@ -75,7 +78,6 @@ def barrier_task(spec: JobSpec, channel_address: tuple[str, int], _: Iterator[in
     except Exception as exc:
         failures = [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]
     if failures:
-        client = ChannelClient(channel_address, spec.token, None, host)
         client.failures(failures)
-        client.close()
+    client.close()
     yield json.dumps({"node": node, "host": host, "failed": bool(failures)})

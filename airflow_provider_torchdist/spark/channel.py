@@ -8,6 +8,7 @@ Messages:
 
 - ``{"k": "line", "s": "out"|"err", "l": text}``: one line a rank printed, forwarded to the task log;
 - ``{"k": "error", ...}``: the exception a rank raised (type, message, traceback);
+- ``{"k": "node", "node": n}``: a barrier task started (so the stage is no longer waiting for slots);
 - ``{"k": "failures", "failures": [...]}``: an agent's verdict that its node failed;
 - ``{"k": "metric", "m": {...}}``: a ``report()`` from training code, logged and kept in order;
 - ``{"k": "output", "n": size}`` + ``size`` bytes: rank 0's pickled return value;
@@ -68,6 +69,7 @@ class RunChannel:
         self.rank_errors: dict[int, RankFailure] = {}
         self.agent_failures: list[RankFailure] = []
         self.metrics: list[dict[str, Any]] = []
+        self.started_nodes: set[int] = set()
         self.rejected = 0
         channel = self
 
@@ -152,6 +154,9 @@ class RunChannel:
                         self.agent_failures.extend(RankFailure(**f) for f in msg["failures"])
                     if self._on_failure:
                         self._on_failure()
+                elif kind == "node":
+                    with self._state_lock:
+                        self.started_nodes.add(int(msg["node"]))
                 elif kind == "metric":
                     with self._state_lock:
                         self.metrics.append(msg["m"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from pathlib import Path
 
 from airflow_provider_torchdist.spark.channel import RunChannel
@@ -41,32 +42,38 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
     from pyspark import SparkContext
 
     from airflow_provider_torchdist.spark.barrier import barrier_task
+    from airflow_provider_torchdist.spark.slots import wait_for_slots
 
     sc = SparkContext.getOrCreate()
+    group = f"torchdist-{spec.run_id}"
     try:
-        group = f"torchdist-{spec.run_id}"
-        bind_host = sc.getConf().get("spark.driver.host")
-        with RunChannel(
-            spec.token, bind_host, staging, on_failure=lambda: sc.cancelJobGroup(group)
-        ) as channel:
+        channel = RunChannel(
+            spec.token, sc.getConf().get("spark.driver.host"), staging, lambda: sc.cancelJobGroup(group)
+        )
+        with channel:
             channel.say(
                 f"distributed mode: {spec.num_nodes} Spark task(s) x {spec.nproc_per_node} process(es), "
-                f"master {sc.master}, application {sc.applicationId}"
+                f"master {sc.master}"
             )
+            channel.say(f"application {sc.applicationId} spark-ui {sc.uiWebUrl or '-'}")
+            wait_for_slots(sc, spec.num_nodes, spec.slot_timeout, channel.say)
             sc.setJobGroup(group, f"torchdist training {spec.run_id}", interruptOnCancel=True)
-            task = functools.partial(barrier_task, spec, channel.address)
+            stage = sc.parallelize(range(spec.num_nodes), spec.num_nodes).barrier()
+            done = threading.Event()
+            threading.Thread(
+                target=_say_while_waiting, args=(channel, spec.num_nodes, done), daemon=True
+            ).start()
             error = None
             try:
-                results = (
-                    sc.parallelize(range(spec.num_nodes), spec.num_nodes)
-                    .barrier()
-                    .mapPartitions(task)
-                    .collect()
-                )
+                results = stage.mapPartitions(
+                    functools.partial(barrier_task, spec, channel.address)
+                ).collect()
             except Exception as exc:
                 results = []
                 # When a rank reported, its failure is the story; Spark's is only the cancellation.
                 error = None if channel.failures else _first_line(exc)
+            finally:
+                done.set()
         failures = channel.failures
         return Outcome(
             ok=not failures and error is None,
@@ -77,6 +84,18 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
         )
     finally:
         sc.stop()
+
+
+def _say_while_waiting(channel: RunChannel, needed: int, done: threading.Event, every: float = 10.0) -> None:
+    """A barrier stage starts only when all its slots are free at once; say so while it waits."""
+    while not done.wait(every):
+        waiting = needed - len(channel.started_nodes)
+        if waiting <= 0:
+            return
+        channel.say(
+            f"waiting for {waiting} of {needed} barrier task(s) to start: the stage needs {needed} free "
+            "task slots at once, and other work holds some of them"
+        )
 
 
 def _hosts(results: list[str]) -> list[str]:

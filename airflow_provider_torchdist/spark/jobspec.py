@@ -45,6 +45,9 @@ class JobSpec:
     max_restarts: int = 0
     #: Seconds the ranks may take to find each other before the run fails.
     rendezvous_timeout: int = 300
+    #: Seconds to wait for executors to offer the slots the barrier stage needs before failing;
+    #: None when the hook knows the cluster can fit the stage (then it waits as long as it takes).
+    slot_timeout: float | None = 20.0
     #: Network interface for gloo/NCCL; None picks the one that carries the task's address.
     socket_ifname: str | None = None
     #: Extra environment for every rank.

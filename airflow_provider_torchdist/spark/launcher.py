@@ -115,6 +115,19 @@ def launch_node(
     ``master`` is node 0's rendezvous address in distributed mode, None in local mode.
     """
     nproc = spec.num_processes if master is None else spec.nproc_per_node
+    if spec.use_gpu and master is None:
+        import torch
+
+        if torch.cuda.device_count() < nproc:
+            return [
+                RankFailure(
+                    rank=None,
+                    host=host,
+                    exc_type="RuntimeError",
+                    message=f"use_gpu=True with local_mode needs {nproc} GPU(s) on the driver, one per rank; "
+                    f"torch sees {torch.cuda.device_count()}. Lower num_processes or run with use_gpu=False.",
+                )
+            ]
     os.environ.update(rank_environment(spec, host, nproc))
     log_dir = tempfile.mkdtemp(prefix="torchdist-agent-")
     try:

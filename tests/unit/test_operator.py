@@ -1,0 +1,269 @@
+"""TorchDistributorOperator: parse-time checks, templating, post-render coercion, execute and XCom."""
+
+from __future__ import annotations
+
+import cloudpickle
+import pytest
+import torch
+
+from airflow_provider_torchdist.errors import InvalidTrainingConfig
+from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
+from airflow_provider_torchdist.operators.torch_distributor import METRICS_XCOM_KEY, TorchDistributorOperator
+from airflow_provider_torchdist.results import ENVELOPE_KEY, load_output
+from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE, JobSpec
+from airflow_provider_torchdist.spark.outcome import Outcome, RankFailure
+
+
+def _train(x=1, scale=1):
+    return x * scale
+
+
+def _op(**kwargs) -> TorchDistributorOperator:
+    return TorchDistributorOperator(**{"task_id": "train", "train_object": _train, **kwargs})
+
+
+# -- parse time ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"num_processes": 0}, "num_processes"),
+        ({"num_processes": "abc"}, "num_processes"),
+        ({"train_object": 42}, "train_object"),
+        ({"train_object": None}, "train_object"),
+        ({"num_processes": 4, "nproc_per_node": 3}, "nproc_per_node=3"),
+        ({"use_gpu": "yes"}, "use_gpu"),
+        ({"max_restarts": -1}, "max_restarts"),
+        ({"args": 5}, "args must be a list"),
+        ({"kwargs": [1]}, "kwargs must be a dict"),
+    ],
+)
+def test_bad_values_fail_at_construction(kwargs, field):
+    with pytest.raises(InvalidTrainingConfig, match=field):
+        _op(**kwargs)
+
+
+def test_unknown_keyword_fails_at_construction():
+    with pytest.raises(
+        TypeError, match=r"(?s)Invalid arguments were passed to TorchDistributorOperator.*num_procs"
+    ):
+        _op(num_procs=2)
+
+
+def test_templates_are_accepted_at_parse_time():
+    op = _op(
+        train_object="{{ params.script }}",
+        num_processes="{{ params.n }}",
+        nproc_per_node=3,  # cannot be checked against a template yet
+        local_mode="{{ params.local }}",
+        use_gpu="{{ params.gpu }}",
+        max_restarts="{{ params.restarts }}",
+        args="{{ params.args }}",
+        kwargs="{{ params.kwargs }}",
+    )
+    assert op.num_processes == "{{ params.n }}"
+    assert op.nproc_per_node == 3
+
+
+def test_parse_time_values_are_coerced():
+    op = _op(num_processes="4", nproc_per_node="2", local_mode="false", use_gpu="False", max_restarts="1")
+    assert (op.num_processes, op.nproc_per_node, op.local_mode, op.use_gpu, op.max_restarts) == (
+        4,
+        2,
+        False,
+        False,
+        1,
+    )
+
+
+def test_kwargs_are_stored_as_train_kwargs_and_not_a_template_field():
+    op = _op(args=[1], kwargs={"scale": 3})
+    assert op.train_kwargs == {"scale": 3}
+    assert op.train_args == [1]
+    assert "kwargs" not in op.template_fields
+    assert "args" not in op.template_fields
+    assert {"train_kwargs", "train_args", "train_object", "num_processes", "conf"} <= set(op.template_fields)
+
+
+# -- after rendering ----------------------------------------------------------------------------
+
+
+def test_rendered_strings_are_coerced():
+    op = _op(num_processes="{{ params.n }}", local_mode="{{ params.local }}", use_gpu="{{ params.gpu }}")
+    op.num_processes, op.local_mode, op.use_gpu, op.max_restarts = "2", "True", "false", "3"
+    op._validate(at_parse_time=False)
+    assert (op.num_processes, op.local_mode, op.use_gpu, op.max_restarts) == (2, True, False, 3)
+
+
+def test_rendered_garbage_is_refused_by_name():
+    op = _op(num_processes="{{ params.n }}")
+    op.num_processes = "abc"
+    with pytest.raises(InvalidTrainingConfig, match="num_processes must be an integer"):
+        op._validate(at_parse_time=False)
+
+
+def test_rendered_topology_is_checked():
+    op = _op(num_processes="{{ params.n }}", nproc_per_node=2)
+    op.num_processes = "3"
+    with pytest.raises(InvalidTrainingConfig, match="num_processes=3 is not divisible by nproc_per_node=2"):
+        op._validate(at_parse_time=False)
+
+
+def test_a_still_unrendered_template_is_refused_after_rendering():
+    op = _op(num_processes="{{ params.n }}")
+    with pytest.raises(InvalidTrainingConfig, match="num_processes"):
+        op._validate(at_parse_time=False)
+
+
+def test_rendered_args_string_is_refused():
+    op = _op(args="{{ params.args }}")
+    op.train_args = "[1, 2]"
+    with pytest.raises(InvalidTrainingConfig, match="args must be a list, got str"):
+        op._validate(at_parse_time=False)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="operators/torch_distributor.py _validate(at_parse_time=False) checks a rendered string "
+    "train_kwargs with check_args(..., list), so the error says 'kwargs must be a list' instead of "
+    "'kwargs must be a dict'",
+)
+def test_rendered_kwargs_string_is_refused_as_not_a_dict():
+    op = _op(kwargs="{{ params.kwargs }}")
+    op.train_kwargs = "{'scale': 2}"
+    with pytest.raises(InvalidTrainingConfig, match="kwargs must be a dict, got str"):
+        op._validate(at_parse_time=False)
+
+
+def test_render_template_fields_renders_fields_but_never_calls_the_callable():
+    calls = []
+
+    def train(*args, **kwargs):
+        calls.append((args, kwargs))
+        return 0
+
+    op = TorchDistributorOperator(
+        task_id="t",
+        train_object=train,
+        num_processes="{{ params.n }}",
+        local_mode="{{ params.local }}",
+        kwargs={"lr": "{{ params.lr }}"},
+        conf={"spark.executor.memory": "{{ params.mem }}"},
+    )
+    op.render_template_fields({"params": {"n": 2, "local": True, "lr": 0.1, "mem": "2g"}})
+    assert calls == []
+    assert op.train_object is train
+    assert (op.num_processes, op.local_mode) == ("2", "True")
+    assert op.train_kwargs == {"lr": "0.1"}
+    assert op.conf == {"spark.executor.memory": "2g"}
+    op._validate(at_parse_time=False)
+    assert (op.num_processes, op.local_mode) == (2, True)
+
+
+def test_script_path_is_rendered(tmp_path):
+    op = TorchDistributorOperator(task_id="t", train_object="{{ params.dir }}/train.py")
+    op.render_template_fields({"params": {"dir": str(tmp_path)}})
+    assert op.train_object == f"{tmp_path}/train.py"
+
+
+# -- execute ------------------------------------------------------------------------------------
+
+
+class FakeTI:
+    def __init__(self):
+        self.pushed: dict = {}
+
+    def xcom_push(self, key, value):
+        self.pushed[key] = value
+
+
+def _fake_submit(hook: TorchDistributorHook, outcome: Outcome, seen: dict):
+    def submit(application="", **kwargs):
+        spec = JobSpec.read(hook._application_args[0])
+        seen["spec"] = spec
+        seen["hook"] = hook
+        if outcome.ok:
+            payload = cloudpickle.loads((hook._staged.dir / spec.entry).read_bytes())
+            value = payload["fn"](*payload["args"], **payload["kwargs"])
+            (hook._staged.dir / OUTPUT_FILE).write_bytes(cloudpickle.dumps(value))
+        outcome.write(hook._staged.dir)
+
+    hook.submit = submit
+
+
+@pytest.fixture
+def faked_spark(monkeypatch):
+    """Replace spark-submit in every hook the operator makes; returns what the fake saw."""
+    seen: dict = {"outcome": Outcome(ok=True, metrics=[{"rank": 0, "step": 0, "loss": 1.0}])}
+    real = TorchDistributorOperator.make_hook
+
+    def make_hook(self):
+        hook = real(self)
+        _fake_submit(hook, seen["outcome"], seen)
+        return hook
+
+    monkeypatch.setattr(TorchDistributorOperator, "make_hook", make_hook)
+    return seen
+
+
+def _tensor_train(n, scale=1.0):
+    return torch.arange(n) * scale
+
+
+def test_execute_returns_xcom_value_and_pushes_metrics(faked_spark):
+    op = TorchDistributorOperator(
+        task_id="t",
+        train_object=_tensor_train,
+        args=[3],
+        kwargs={"scale": 2.0},
+        num_processes="{{ params.n }}",
+        nproc_per_node=2,
+        spark_submit_kwargs={"executor_memory": "1g"},
+    )
+    op.num_processes = "4"  # as rendered
+    ti = FakeTI()
+    value = op.execute({"ti": ti})
+    assert value[ENVELOPE_KEY] == 1
+    assert torch.equal(load_output(value), torch.arange(3) * 2.0)
+    assert ti.pushed == {METRICS_XCOM_KEY: [{"rank": 0, "step": 0, "loss": 1.0}]}
+    spec = faked_spark["spec"]
+    assert (spec.num_processes, spec.nproc_per_node) == (4, 2)
+    assert faked_spark["hook"]._executor_memory == "1g"
+
+
+def test_execute_returns_plain_json_as_is(faked_spark):
+    op = _op(args=[21], kwargs={"scale": 2})
+    assert op.execute({"ti": FakeTI()}) == 42
+
+
+def test_execute_pushes_metrics_even_when_training_fails(faked_spark):
+    faked_spark["outcome"] = Outcome(
+        ok=False,
+        failures=[RankFailure(rank=0, host="h", exc_type="RuntimeError", message="nan loss")],
+        metrics=[{"rank": 0, "step": 5, "loss": float("nan")}],
+    )
+    ti = FakeTI()
+    from airflow_provider_torchdist.errors import TrainingFailed
+
+    with pytest.raises(TrainingFailed, match="nan loss"):
+        _op().execute({"ti": ti})
+    assert ti.pushed[METRICS_XCOM_KEY][0]["step"] == 5
+
+
+def test_make_hook_passes_settings():
+    op = _op(
+        num_processes=4,
+        nproc_per_node=2,
+        max_restarts=2,
+        conf={"spark.log.level": "INFO"},
+        env_vars={"A": "1"},
+        rank_env={"B": "2"},
+        spark_submit_kwargs={"driver_memory": "3g"},
+    )
+    hook = op.make_hook()
+    assert (hook.num_processes, hook.nproc_per_node, hook.max_restarts) == (4, 2, 2)
+    assert hook._conf["spark.log.level"] == "INFO"
+    assert hook._env_vars["A"] == "1"
+    assert hook.rank_env == {"B": "2"}
+    assert hook._driver_memory == "3g"

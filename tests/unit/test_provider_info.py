@@ -1,0 +1,77 @@
+"""Provider metadata: valid for Airflow's schema, its classes import, and Airflow lists the provider."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+
+import airflow
+from airflow_provider_torchdist import __version__
+from airflow_provider_torchdist.get_provider_info import get_provider_info
+
+PACKAGE = "airflow-provider-torchdist"
+
+
+def import_path(dotted: str) -> object:
+    """The object at ``package.module.Name`` (or the module at ``package.module``)."""
+    try:
+        return importlib.import_module(dotted)
+    except ModuleNotFoundError:
+        module, _, name = dotted.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+def test_provider_info_is_valid_for_the_installed_airflow_schema() -> None:
+    schema = json.loads((Path(airflow.__file__).parent / "provider_info.schema.json").read_text())
+    info = get_provider_info()
+    jsonschema.validate(info, schema)
+    assert info["package-name"] == PACKAGE
+    assert info["versions"] == [__version__]
+
+
+def test_provider_info_classes_and_modules_import() -> None:
+    info = get_provider_info()
+    modules = [m for section in ("operators", "hooks") for entry in info[section] for m in entry["python-modules"]]
+    for dotted in modules + info.get("extra-links", []):
+        assert import_path(dotted) is not None, dotted
+    from airflow.sdk import BaseOperatorLink
+
+    for dotted in info.get("extra-links", []):
+        assert issubclass(import_path(dotted), BaseOperatorLink), dotted
+
+
+def test_no_connection_type_of_its_own() -> None:
+    """The hook uses the Spark provider's ``spark`` type; declaring it again would be ignored."""
+    from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
+
+    assert "connection-types" not in get_provider_info()
+    assert TorchDistributorHook.conn_type == "spark"
+
+
+def test_entry_point_points_at_get_provider_info() -> None:
+    points = importlib.metadata.entry_points(group="apache_airflow_provider")
+    ours = [ep for ep in points if ep.value.startswith("airflow_provider_torchdist.")]
+    assert [ep.load() for ep in ours] == [get_provider_info]
+
+
+def test_airflow_providers_list_shows_the_provider() -> None:
+    env = {**os.environ, "AIRFLOW__LOGGING__LOGGING_LEVEL": "ERROR"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "airflow", "providers", "list", "--output", "json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    providers = {p["package_name"]: p for p in json.loads(proc.stdout[proc.stdout.index("[") :])}
+    assert PACKAGE in providers, sorted(providers)
+    assert providers[PACKAGE]["version"] == __version__
+    assert "apache-airflow-providers-apache-spark" in providers
