@@ -1,0 +1,208 @@
+"""Multi-host: a Spark standalone cluster whose two workers are test hosts in their own network
+namespaces, each with its own address. The ranks must rendezvous across those real addresses."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from airflow_provider_torchdist import TorchDistributorHook
+from airflow_provider_torchdist.errors import InvalidTrainingConfig, TrainingFailed
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import spark_cluster  # noqa: E402
+
+pytestmark = [pytest.mark.integration]
+
+SUBNET = "10.231.88"
+DRIVER_HOST = f"{SUBNET}.1"
+FAKE_GPUS = Path(__file__).parent / "fixtures" / "fake_gpus.sh"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[spark_cluster.ClusterInfo]:
+    """Master + 2 workers (2 cores, 2 fake GPUs each), every worker in its own namespace."""
+    if os.geteuid() != 0:
+        pytest.fail("the multi-host tests need root to create network namespaces")
+    info = spark_cluster.start_cluster(
+        workers=2,
+        cores=2,
+        memory="1g",
+        netns=True,
+        prefix="tdmh",
+        subnet=SUBNET,
+        worker_conf={
+            "spark.worker.resource.gpu.amount": "2",
+            "spark.worker.resource.gpu.discoveryScript": str(FAKE_GPUS),
+        },
+    )
+    try:
+        yield info
+    finally:
+        spark_cluster.stop_cluster(info)
+    assert not spark_cluster.leftover_network("tdmh")
+
+
+def connect(monkeypatch: pytest.MonkeyPatch, info: spark_cluster.ClusterInfo, web_ui: bool = True) -> str:
+    """A ``spark`` connection to the cluster, the usual Airflow way (an AIRFLOW_CONN_ variable)."""
+    extra = {"master-web-ui": info.master_ui_url} if web_ui else {}
+    conn = {
+        "conn_type": "spark",
+        "host": f"spark://{info.master_host}",
+        "port": info.master_port,
+        "extra": extra,
+    }
+    conn_id = "spark_cluster" if web_ui else "spark_cluster_plain"
+    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(conn))
+    return conn_id
+
+
+def cluster_hook(
+    monkeypatch: pytest.MonkeyPatch, info: spark_cluster.ClusterInfo, **kwargs
+) -> TorchDistributorHook:
+    conf = {
+        # The driver stays in the root namespace, reachable from the workers on the bridge only.
+        "spark.driver.host": DRIVER_HOST,
+        "spark.driver.bindAddress": DRIVER_HOST,
+        "spark.executor.memory": "512m",
+        # Executors that start a little faster; tests only.
+        "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+        **kwargs.pop("conf", {}),
+    }
+    return TorchDistributorHook(
+        conn_id=connect(monkeypatch, info, kwargs.pop("web_ui", True)),
+        conf=conf,
+        env_vars={"SPARK_LOCAL_IP": DRIVER_HOST},
+        **kwargs,
+    )
+
+
+def where_ranks_ran() -> list[dict]:
+    """Every rank's view, gathered to rank 0 over gloo: its address, interface and local rank."""
+    import socket
+
+    import torch.distributed as dist
+
+    from airflow_provider_torchdist.spark.network import interface_address
+
+    dist.init_process_group("gloo")
+    ifname = os.environ["GLOO_SOCKET_IFNAME"]
+    me = {
+        "rank": dist.get_rank(),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "world_size": dist.get_world_size(),
+        "address": interface_address(ifname),
+        "ifname": ifname,
+        "master_addr": os.environ["MASTER_ADDR"],
+        "hostname": socket.gethostname(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+    print(f"rank {me['rank']} at {me['address']} via {ifname}")
+    everyone: list[dict] = [{}] * dist.get_world_size()
+    dist.all_gather_object(everyone, me)
+    dist.destroy_process_group()
+    return everyone
+
+
+def test_ranks_rendezvous_across_two_test_hosts(
+    cluster: spark_cluster.ClusterInfo, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    ranks = cluster_hook(monkeypatch, cluster, num_processes=2).run(where_ranks_ran)
+
+    addresses = [r["address"] for r in ranks]
+    assert sorted(addresses) == sorted(cluster.worker_hosts)  # two distinct test hosts
+    assert all(r["ifname"] != "lo" for r in ranks)  # gloo chose the interface carrying the address
+    assert ranks[0]["master_addr"] == ranks[0]["address"]  # task 0's routable address, not localhost
+    text = "".join(capfd.readouterr())
+    for rank, address in enumerate(addresses):
+        assert f"[rank {rank} @ {address}] rank {rank} at {address}" in text  # live logs from both hosts
+
+
+def test_two_by_two_topology(cluster: spark_cluster.ClusterInfo, monkeypatch: pytest.MonkeyPatch) -> None:
+    ranks = cluster_hook(monkeypatch, cluster, num_processes=4, nproc_per_node=2).run(where_ranks_ran)
+
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert {r["world_size"] for r in ranks} == {4}
+    by_host: dict[str, list[int]] = {}
+    for r in ranks:
+        by_host.setdefault(r["address"], []).append(r["local_rank"])
+    assert sorted(by_host) == sorted(cluster.worker_hosts)  # one 2-rank task per host
+    assert all(sorted(local) == [0, 1] for local in by_host.values())
+
+
+def test_spark_assigned_gpus_become_cuda_visible_devices(
+    cluster: spark_cluster.ClusterInfo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hook = cluster_hook(
+        monkeypatch,
+        cluster,
+        num_processes=4,
+        nproc_per_node=2,
+        use_gpu=True,
+        conf={"spark.executor.resource.gpu.amount": "2", "spark.executor.cores": "2"},
+    )
+    ranks = hook.run(where_ranks_ran)
+
+    for r in ranks:
+        assert sorted(r["cuda_visible_devices"].split(",")) == ["0", "1"]  # the task's two fake GPUs
+    assert sorted({r["address"] for r in ranks}) == sorted(cluster.worker_hosts)
+
+
+def test_job_too_big_for_the_cluster_fails_fast(
+    cluster: spark_cluster.ClusterInfo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With the master's web UI known, the hook refuses before spark-submit.
+    started = time.monotonic()
+    hook = cluster_hook(monkeypatch, cluster, num_processes=6)
+    with pytest.raises(InvalidTrainingConfig, match=r"needs 6 task slot\(s\).*never offer more than 4"):
+        hook.run(where_ranks_ran)
+    assert hook._submit_sp is None
+    assert time.monotonic() - started < 5
+
+    # Without it, the driver sees too few executor slots and fails well inside 30 s, not Spark's 10 min.
+    started = time.monotonic()
+    with pytest.raises(TrainingFailed, match=r"needs 6 task slot\(s\) at once but the cluster has 4"):
+        cluster_hook(monkeypatch, cluster, num_processes=6, web_ui=False).run(where_ranks_ran)
+    assert time.monotonic() - started < 30
+
+
+def tag(value: str) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, value)
+    dist.destroy_process_group()
+    return {"value": value, "seen": seen, "run_id": os.environ["TORCHDIST_RUN_ID"]}
+
+
+def test_three_concurrent_runs_each_get_their_own_result(
+    cluster: spark_cluster.ClusterInfo, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    results: dict[str, object] = {}
+
+    def run(name: str) -> None:
+        try:
+            results[name] = cluster_hook(monkeypatch, cluster, num_processes=2).run(tag, name)
+        except Exception as exc:  # collected and asserted below, in the test's thread
+            results[name] = exc
+
+    threads = [threading.Thread(target=run, args=(f"run-{i}",)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+
+    for name in ("run-0", "run-1", "run-2"):
+        result = results[name]
+        assert isinstance(result, dict), f"{name}: {result!r}"
+        assert result["value"] == name and result["seen"] == [name, name]
+    assert len({r["run_id"] for r in results.values()}) == 3
