@@ -30,9 +30,10 @@ ENVELOPE_VERSION = 1
 
 def is_json_native(value: Any) -> bool:
     """True when XCom's JSON round trip gives back an equal value of the same types."""
-    if value is None or isinstance(value, (bool, int, str)):
+    # Exact types: a subclass (an IntEnum, say) would come back from JSON as its base type.
+    if value is None or type(value) in (bool, int, str):
         return True
-    if isinstance(value, float):
+    if type(value) is float:
         return math.isfinite(value)
     if type(value) is list:
         return all(is_json_native(v) for v in value)

@@ -80,6 +80,8 @@ def modules_to_pickle_by_value() -> list[ModuleType]:
         file = getattr(module, "__file__", None)
         if not file or name == "__main__" or name.split(".")[0] == "airflow_provider_torchdist":
             continue
+        if getattr(module, "__name__", None) != name:  # an alias: cloudpickle registers by __name__
+            continue
         real = os.path.realpath(file)
         if not any(real.startswith(root + os.sep) for root in roots):
             found.append(module)

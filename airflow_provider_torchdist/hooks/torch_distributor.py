@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
@@ -23,6 +24,7 @@ DEFAULT_CONN_ID = "spark_default"
 #: Connection extra with the standalone master's web UI, e.g. ``http://spark-master:8080``: with it the
 #: hook checks before submitting that the cluster can ever fit the job.
 MASTER_WEB_UI_EXTRA = "master-web-ui"
+_APPLICATION_LINE = re.compile(r"\[torchdist\] application (?P<app>\S+) spark-ui (?P<ui>\S+)")
 EMBEDDED_HOST = "127.0.0.1"
 
 # Defaults for our own application; anything the user puts in ``conf`` wins.
@@ -94,6 +96,10 @@ class TorchDistributorHook(SparkSubmitHook):
         self.staging_dir = staging_dir
         self.embedded = False
         self.master_web_ui: str | None = None
+        #: Called with (application id, Spark UI URL or None, master's application page or None) as
+        #: soon as the driver reports them; the operator pushes them to XCom for the extra links.
+        self.on_application: Callable[[str, str | None, str | None], None] | None = None
+        self.application_id: str | None = None
         self._staged: StagedRun | None = None
         #: What the last run's training code reported with ``report()``, in order.
         self.metrics: list[dict[str, Any]] = []
@@ -303,6 +309,25 @@ class TorchDistributorHook(SparkSubmitHook):
             raise TrainingFailed(outcome.failures, outcome.error)
         if staged.spec.kind == "callable" and not staged.output_path.exists():
             raise SparkSubmitFailed("Training succeeded but rank 0's return value never reached the driver.")
+
+    def _process_spark_submit_log(self, itr: Iterator[Any]) -> None:
+        super()._process_spark_submit_log(self._watch_application(itr))
+
+    def _watch_application(self, itr: Iterator[Any]) -> Iterator[Any]:
+        """Pass spark-submit's lines on, noting the driver's ``application <id> spark-ui <url>`` line."""
+        for line in itr:
+            match = _APPLICATION_LINE.search(line)
+            if match and self.application_id is None:
+                self.application_id = match["app"]
+                ui = None if match["ui"] == "-" else match["ui"]
+                master_page = (
+                    f"{self.master_web_ui.rstrip('/')}/app/?appId={self.application_id}"
+                    if self.master_web_ui
+                    else None
+                )
+                if self.on_application:
+                    self.on_application(self.application_id, ui, master_page)
+            yield line
 
     # -- stopping -----------------------------------------------------------------------------
 

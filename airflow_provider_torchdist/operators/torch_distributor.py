@@ -8,6 +8,12 @@ from typing import Any
 from airflow.providers.common.compat.sdk import BaseOperator
 
 from airflow_provider_torchdist.hooks.torch_distributor import DEFAULT_CONN_ID, TorchDistributorHook
+from airflow_provider_torchdist.links import (
+    SPARK_MASTER_APP_XCOM_KEY,
+    SPARK_UI_XCOM_KEY,
+    SparkMasterAppLink,
+    SparkUILink,
+)
 from airflow_provider_torchdist.results import to_xcom
 from airflow_provider_torchdist.validation import (
     check_args,
@@ -84,6 +90,7 @@ class TorchDistributorOperator(BaseOperator):
     )
     template_fields_renderers = {"conf": "json", "train_kwargs": "json", "train_args": "json"}
     ui_color = "#ee4c2c"
+    operator_extra_links = (SparkUILink(), SparkMasterAppLink())
 
     def __init__(
         self,
@@ -149,10 +156,9 @@ class TorchDistributorOperator(BaseOperator):
             self.use_gpu = check_bool(self.use_gpu, "use_gpu")
         if ready(self.max_restarts):
             self.max_restarts = check_int(self.max_restarts, "max_restarts", minimum=0)
-        if not at_parse_time:
-            for field in ("train_args", "train_kwargs"):
-                if isinstance(getattr(self, field), str):
-                    check_args(getattr(self, field), field.removeprefix("train_"), list)
+        if not at_parse_time:  # a template that rendered to a string is not a list / dict
+            check_args(self.train_args, "args", list)
+            check_args(self.train_kwargs, "kwargs", dict)
 
     def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:
         # Airflow calls a callable template field as ``value(context=..., jinja_env=...)``; a
@@ -186,12 +192,22 @@ class TorchDistributorOperator(BaseOperator):
     def execute(self, context: Any) -> Any:
         self._validate(at_parse_time=False)
         self._hook = self.make_hook()
+        ti = context["ti"]
+
+        def push_links(app_id: str, ui: str | None, master_page: str | None) -> None:
+            # Pushed while the run goes on, so the extra links work before the task ends.
+            if ui:
+                ti.xcom_push(key=SPARK_UI_XCOM_KEY, value=ui)
+            if master_page:
+                ti.xcom_push(key=SPARK_MASTER_APP_XCOM_KEY, value=master_page)
+
+        self._hook.on_application = push_links
         try:
             pickled = self._hook.run_pickled(self.train_object, self.train_args, self.train_kwargs)
         finally:
             # The metric history is worth having after a failure too (the last loss before it).
             if self._hook.metrics:
-                context["ti"].xcom_push(key=METRICS_XCOM_KEY, value=self._hook.metrics)
+                ti.xcom_push(key=METRICS_XCOM_KEY, value=self._hook.metrics)
         return to_xcom(pickled)
 
     def on_kill(self) -> None:

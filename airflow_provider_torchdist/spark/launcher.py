@@ -95,8 +95,8 @@ def failure_from_process(rank: int, failure: ProcessFailure, host: str) -> RankF
     message = data.get("message")
     if isinstance(message, dict):
         text = str(message.get("message", ""))
-        exc_type, _, msg = text.partition(": ")
-        record.exc_type, record.message = (exc_type, msg) if msg else (None, text or None)
+        exc_type, sep, msg = text.partition(": ")
+        record.exc_type, record.message = (exc_type, msg or None) if sep else (None, text or None)
         record.traceback = (message.get("extraInfo") or {}).get("py_callstack")
     return record
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import os
+import re
 import runpy
 import signal
 import sys
@@ -23,6 +24,7 @@ from airflow_provider_torchdist.spark.jobspec import JobSpec
 
 _PR_SET_PDEATHSIG = 1
 _HERE = os.path.dirname(__file__)
+_LINE_END = re.compile(r"(\r\n|\r|\n)")
 
 #: This rank's connection to the driver, for ``report()``; None outside a run.
 CHANNEL: ChannelClient | None = None
@@ -102,19 +104,23 @@ class OutputCapture:
     def _pump(self, read_end: int, stream: str) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         pending = ""
-        last = None
+        last_redraw = None
         with os.fdopen(read_end, "rb", buffering=0) as pipe:
             while True:
                 data = pipe.read(65536)
                 pending += decoder.decode(data or b"", final=not data)
                 # Hold a trailing \r back: it may be the first half of \r\n.
                 cut = len(pending) - 1 if data and pending.endswith("\r") else len(pending)
-                lines = pending[:cut].replace("\r\n", "\n").replace("\r", "\n").split("\n")
-                pending = lines.pop() + pending[cut:]
-                for line in lines:
-                    if line and line != last:  # redraws of an unchanged bar add nothing
-                        self._emit(stream, line)
-                    last = line
+                parts = _LINE_END.split(pending[:cut])
+                pending = parts.pop() + pending[cut:]
+                for text, end in zip(parts[::2], parts[1::2], strict=True):
+                    if end == "\r":
+                        # A progress-bar redraw: one line per change, not one per refresh.
+                        if text and text != last_redraw:
+                            self._emit(stream, text)
+                        last_redraw = text
+                    elif text:
+                        self._emit(stream, text)
                 if not data:
                     if pending:
                         self._emit(stream, pending)

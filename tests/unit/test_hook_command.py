@@ -14,7 +14,7 @@ import pytest
 from airflow.providers.common.compat.sdk import AirflowException
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
-from airflow_provider_torchdist.hooks.torch_distributor import GPU_DISCOVERY_SCRIPT, TorchDistributorHook
+from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE, JobSpec
 from airflow_provider_torchdist.spark.outcome import Outcome, RankFailure
 
@@ -211,16 +211,12 @@ def test_gpu_in_local_mode_needs_no_spark_gpu_conf(cluster):
     TorchDistributorHook(use_gpu=True, local_mode=True).check_gpu_conf()
 
 
-def test_embedded_gpu_run_discovers_the_drivers_gpus():
+def test_gpu_on_the_embedded_local_master_is_refused_with_a_way_out():
+    # local[N] cannot assign GPUs to tasks: the stage would wait forever, so refuse before submitting.
     hook = TorchDistributorHook(num_processes=4, nproc_per_node=2, use_gpu=True)
-    hook.check_gpu_conf()
-    assert hook._conf["spark.task.resource.gpu.amount"] == "2"
-    assert hook._conf["spark.driver.resource.gpu.amount"] == "4"
-    assert hook._conf["spark.executor.resource.gpu.amount"] == "4"
-    assert hook._conf["spark.driver.resource.gpu.discoveryScript"] == str(GPU_DISCOVERY_SCRIPT)
-    assert Path(GPU_DISCOVERY_SCRIPT).is_file()
-    gpu_slots = int(hook._conf["spark.driver.resource.gpu.amount"]) // 2
-    assert min(_master_cores(hook), gpu_slots) == hook.slots_needed == 2
+    with pytest.raises(InvalidTrainingConfig, match="cannot assign GPUs") as info:
+        hook.check_gpu_conf()
+    assert "local_mode=True" in str(info.value)
 
 
 # -- a run, with spark-submit faked -------------------------------------------------------------

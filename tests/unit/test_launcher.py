@@ -103,12 +103,6 @@ def test_fake_process_failure_is_enough():
     assert record.signal is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="launcher.failure_from_process: torch writes 'RuntimeError: ' for an exception with an "
-    "empty message; partition() gives msg='' so the `if msg` test drops the type "
-    "(exc_type=None, message='RuntimeError: ') and summary() says only 'exited with code 1'",
-)
 def test_exception_without_message_keeps_its_type(tmp_path, monkeypatch):
     error_file = _error_file(tmp_path, monkeypatch, RuntimeError())
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=error_file)

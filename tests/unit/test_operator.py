@@ -123,12 +123,6 @@ def test_rendered_args_string_is_refused():
         op._validate(at_parse_time=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="operators/torch_distributor.py _validate(at_parse_time=False) checks a rendered string "
-    "train_kwargs with check_args(..., list), so the error says 'kwargs must be a list' instead of "
-    "'kwargs must be a dict'",
-)
 def test_rendered_kwargs_string_is_refused_as_not_a_dict():
     op = _op(kwargs="{{ params.kwargs }}")
     op.train_kwargs = "{'scale': 2}"

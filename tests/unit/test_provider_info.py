@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import airflow
 import jsonschema
 
-import airflow
 from airflow_provider_torchdist import __version__
 from airflow_provider_torchdist.get_provider_info import get_provider_info
 
@@ -38,7 +38,9 @@ def test_provider_info_is_valid_for_the_installed_airflow_schema() -> None:
 
 def test_provider_info_classes_and_modules_import() -> None:
     info = get_provider_info()
-    modules = [m for section in ("operators", "hooks") for entry in info[section] for m in entry["python-modules"]]
+    modules = [
+        m for section in ("operators", "hooks") for entry in info[section] for m in entry["python-modules"]
+    ]
     for dotted in modules + info.get("extra-links", []):
         assert import_path(dotted) is not None, dotted
     from airflow.sdk import BaseOperatorLink

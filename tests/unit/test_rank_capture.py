@@ -11,8 +11,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from airflow_provider_torchdist.spark.channel import RunChannel
 from tests.unit.conftest import fast_shutdown
 
@@ -139,12 +137,6 @@ def test_fds_are_restored_after_stop(tmp_path):
     assert result.stdout.decode().splitlines() == ["after stop goes to the real stdout"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rank.OutputCapture._pump drops a line equal to the previous one (`line != last`, meant "
-    "for unchanged progress-bar redraws), so a rank that prints the same line twice in a row "
-    "(e.g. the same loss two epochs running) shows it only once in the task log",
-)
 def test_repeated_identical_lines_are_all_forwarded(tmp_path):
     body = r"""
     print("epoch done: loss=0.5")

@@ -149,12 +149,6 @@ class _Color(enum.IntEnum):
     RED = 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="results.is_json_native uses isinstance for scalars, so an int/str subclass such as an "
-    "IntEnum member counts as JSON-native; XCom turns it into a plain int and load_output cannot "
-    "give back the same object as documented",
-)
 def test_int_subclass_round_trips_with_its_type():
     back = load_output(_through_xcom(_Color.RED))
     assert back is _Color.RED

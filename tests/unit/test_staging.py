@@ -152,7 +152,6 @@ _ALIAS_BUG = (
 )
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=_ALIAS_BUG)
 def test_module_listed_twice_in_sys_modules_still_pickles(dag_module):
     sys.modules["alias_of_the_dag_module"] = dag_module
     try:
@@ -162,7 +161,6 @@ def test_module_listed_twice_in_sys_modules_still_pickles(dag_module):
     assert payload["fn"](*payload["args"]) == 6
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=_ALIAS_BUG)
 def test_module_stored_under_another_name_still_pickles(tmp_path):
     path = tmp_path / "other.py"
     path.write_text("def f():\n    return 5\n")
