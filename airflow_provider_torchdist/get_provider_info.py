@@ -43,5 +43,8 @@ def get_provider_info() -> dict[str, Any]:
             }
         ],
         # The "Spark UI" button on a train task instance (TorchDistributorOperator.operator_extra_links).
-        "extra-links": ["airflow_provider_torchdist.links.SparkUILink"],
+        "extra-links": [
+            "airflow_provider_torchdist.links.SparkUILink",
+            "airflow_provider_torchdist.links.SparkMasterAppLink",
+        ],
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -36,6 +37,23 @@ _APP_CONF = {
     "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "1s",
     "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "20",
 }
+
+
+def session_members(sid: int) -> list[int]:
+    """PIDs of the live processes in session ``sid`` (Linux ``/proc``), zombies excluded."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                # The fields after the parenthesised command: state, ppid, pgrp, session, ...
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != b"Z":
+            members.append(int(entry))
+    return members
 
 
 class TorchDistributorHook(SparkSubmitHook):
@@ -332,21 +350,20 @@ class TorchDistributorHook(SparkSubmitHook):
     # -- stopping -----------------------------------------------------------------------------
 
     def _stop_process_group(self, grace: float = 5.0) -> None:
-        """End whatever is left of spark-submit's session: JVM, Python driver, local ranks."""
+        """End whatever is left of spark-submit's session: JVM, Python driver, Spark's Python daemon
+        and workers (which move to process groups of their own, but stay in the session), local ranks."""
         proc = self._submit_sp
         if proc is None:
             return
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
+            members = session_members(proc.pid)
+            if not members:
                 return
+            for pid in members:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
             deadline = time.monotonic() + grace
-            while time.monotonic() < deadline:
-                try:
-                    os.killpg(proc.pid, 0)
-                except ProcessLookupError:
-                    return
+            while session_members(proc.pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
 
     def on_kill(self) -> None:

@@ -54,7 +54,11 @@ def barrier_task(spec: JobSpec, channel_address: tuple[str, int], _: Iterator[in
 
     from airflow_provider_torchdist.spark.launcher import launch_node
     from airflow_provider_torchdist.spark.network import free_port
+    from airflow_provider_torchdist.spark.rank import die_with_parent
 
+    # If the executor's Python daemon dies (its JVM ended or was killed), this worker and, through
+    # their own death signal, its ranks go too: nothing outlives the application.
+    die_with_parent()
     ctx = BarrierTaskContext.get()
     node = ctx.partitionId()
     host = ctx.getTaskInfos()[node].address.rsplit(":", 1)[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import tempfile
 from typing import Any
 
@@ -21,6 +22,8 @@ from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.network import interface_for_address
 from airflow_provider_torchdist.spark.outcome import RankFailure
 from airflow_provider_torchdist.spark.rank import run_rank
+
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 # The agent logs each failed rank's traceback at ERROR; the rank already sent it, with its prefix.
 logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
@@ -130,6 +133,9 @@ def launch_node(
             ]
     os.environ.update(rank_environment(spec, host, nproc))
     log_dir = tempfile.mkdtemp(prefix="torchdist-agent-")
+    # The agent installs its own handlers for these; a reused Spark Python worker must get back the
+    # ones it had, or it would not die when its daemon later tells it to.
+    saved = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
     try:
         config = launch_config(spec, node_rank=node_rank, master=master, host=host, log_dir=log_dir)
         elastic_launch(config, run_rank)(spec, entry_path, channel_address, host)
@@ -139,4 +145,6 @@ def launch_node(
     except Exception as exc:  # rendezvous timeouts and the like: no rank owns these
         return [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]
     finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -21,16 +21,29 @@ def isolated_airflow_home(tmp_path_factory: pytest.TempPathFactory) -> str:
     return home
 
 
+_RUN_PROCESS = ("pyspark", "torchdist", "org.apache.spark.deploy.SparkSubmit", "CoarseGrainedExecutorBackend")
+
+
+def _run_processes() -> dict[int, str]:
+    """Every live process on the machine that belongs to a training run (any session, any parent)."""
+    found = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(marker in cmd for marker in _RUN_PROCESS):
+            found[proc.info["pid"]] = cmd
+    return found
+
+
 @pytest.fixture
 def no_leftovers():
-    """Fail the test if any process it started (spark-submit, driver, agents, ranks) outlives it."""
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    """Fail the test if a process it started (spark-submit, driver, Python workers, executors, agents,
+    ranks) outlives it, whether still our child or orphaned to init."""
+    before = set(_run_processes())
     yield
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 15
     while True:
-        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        left = {pid: cmd for pid, cmd in _run_processes().items() if pid not in before}
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert not left, f"processes left running: {[(p.pid, ' '.join(p.cmdline())[:200]) for p in left]}"
+    assert not left, f"processes left running: {[(pid, cmd[:200]) for pid, cmd in left.items()]}"

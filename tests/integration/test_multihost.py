@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import spark_cluster  # noqa: E402
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_leftovers")]
 
 SUBNET = "10.231.88"
 DRIVER_HOST = f"{SUBNET}.1"
