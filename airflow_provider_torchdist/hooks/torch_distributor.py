@@ -10,7 +10,8 @@ import sys
 import sysconfig
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import cloudpickle
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
@@ -20,6 +21,8 @@ from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmit
 from airflow_provider_torchdist.spark.outcome import Outcome
 from airflow_provider_torchdist.staging import StagedRun, stage_run
 from airflow_provider_torchdist.validation import check_args, check_bool, check_int, check_topology
+
+T = TypeVar("T")
 
 DEFAULT_CONN_ID = "spark_default"
 #: Connection extra with the standalone master's web UI, e.g. ``http://spark-master:8080``: with it the
@@ -278,7 +281,18 @@ class TorchDistributorHook(SparkSubmitHook):
         args: list[Any] | tuple[Any, ...] | None = None,
         kwargs: dict[str, Any] | None = None,
     ) -> bytes | None:
-        """Like :meth:`run`, but return rank 0's value still pickled (as the operator needs it)."""
+        """Like :meth:`run`, but return rank 0's value still pickled."""
+        return self.run_to_path(train_object, args, kwargs, lambda path: path.read_bytes() if path else None)
+
+    def run_to_path(
+        self,
+        train_object: Callable[..., Any] | str,
+        args: list[Any] | tuple[Any, ...] | None,
+        kwargs: dict[str, Any] | None,
+        handle: Callable[[Path | None], T],
+    ) -> T:
+        """Train, then hand ``handle`` the file holding rank 0's pickled value (None for a script)
+        before the staging directory goes: large outputs are streamed on, never loaded whole."""
         self.check_gpu_conf()
         slot_timeout = self.check_cluster_capacity()
         staged = stage_run(
@@ -299,9 +313,7 @@ class TorchDistributorHook(SparkSubmitHook):
         self._staged = staged
         try:
             self._submit_staged(staged)
-            if staged.spec.kind == "script":
-                return None
-            return staged.output_path.read_bytes()
+            return handle(None if staged.spec.kind == "script" else staged.output_path)
         finally:
             self._stop_process_group()
             staged.cleanup()

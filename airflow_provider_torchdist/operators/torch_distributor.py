@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ from airflow_provider_torchdist.links import (
     SparkMasterAppLink,
     SparkUILink,
 )
-from airflow_provider_torchdist.results import to_xcom
+from airflow_provider_torchdist.results import DEFAULT_MAX_XCOM_OUTPUT_BYTES, output_to_xcom
 from airflow_provider_torchdist.validation import (
     check_args,
     check_bool,
@@ -66,6 +67,10 @@ class TorchDistributorOperator(BaseOperator):
     :param conf: Spark configuration properties (templated, shown as JSON).
     :param env_vars: environment for spark-submit, as in ``SparkSubmitOperator``.
     :param rank_env: environment variables for every rank.
+    :param output_path: where outputs bigger than ``max_xcom_output_bytes`` are stored (any
+        ``ObjectStoragePath`` URI: ``s3://bucket/prefix``, ``file:///shared/dir``); XCom then holds a
+        signed reference. Default: ``$AIRFLOW_HOME/torchdist-outputs`` on the worker.
+    :param max_xcom_output_bytes: largest pickled output carried inline in XCom (default 4 MiB).
     :param spark_submit_kwargs: other ``SparkSubmitHook`` settings: ``executor_memory``,
         ``driver_memory``, ``executor_cores``, ``num_executors``, ``total_executor_cores``,
         ``name``, ``verbose``, ``properties_file``, ``spark_binary``, ...
@@ -86,6 +91,7 @@ class TorchDistributorOperator(BaseOperator):
         "conf",
         "env_vars",
         "rank_env",
+        "output_path",
         "conn_id",
     )
     template_fields_renderers = {"conf": "json", "train_kwargs": "json", "train_args": "json"}
@@ -110,6 +116,8 @@ class TorchDistributorOperator(BaseOperator):
         conf: dict[str, Any] | None = None,
         env_vars: dict[str, Any] | None = None,
         rank_env: dict[str, str] | None = None,
+        output_path: str | None = None,
+        max_xcom_output_bytes: int = DEFAULT_MAX_XCOM_OUTPUT_BYTES,
         spark_submit_kwargs: dict[str, Any] | None = None,
         **base_kwargs: Any,
     ) -> None:
@@ -129,6 +137,8 @@ class TorchDistributorOperator(BaseOperator):
         self.conf = conf
         self.env_vars = env_vars
         self.rank_env = rank_env
+        self.output_path = output_path
+        self.max_xcom_output_bytes = max_xcom_output_bytes
         self.spark_submit_kwargs = dict(spark_submit_kwargs or {})
         self._hook: TorchDistributorHook | None = None
         self._validate(at_parse_time=True)
@@ -202,13 +212,30 @@ class TorchDistributorOperator(BaseOperator):
                 ti.xcom_push(key=SPARK_MASTER_APP_XCOM_KEY, value=master_page)
 
         self._hook.on_application = push_links
+        store_uri = self.output_uri(context)
         try:
-            pickled = self._hook.run_pickled(self.train_object, self.train_args, self.train_kwargs)
+            return self._hook.run_to_path(
+                self.train_object,
+                self.train_args,
+                self.train_kwargs,
+                lambda path: output_to_xcom(
+                    path, max_inline_bytes=self.max_xcom_output_bytes, store_uri=store_uri
+                ),
+            )
         finally:
             # The metric history is worth having after a failure too (the last loss before it).
             if self._hook.metrics:
                 ti.xcom_push(key=METRICS_XCOM_KEY, value=self._hook.metrics)
-        return to_xcom(pickled)
+
+    def output_uri(self, context: Any) -> str:
+        """Where this try's large output goes: ``<output_path>/<dag>/<run>/<task>[-map]-try<n>.pkl``."""
+        ti = context["ti"]
+        base = self.output_path or "file://" + os.path.join(
+            os.path.expanduser(os.environ.get("AIRFLOW_HOME", "~/airflow")), "torchdist-outputs"
+        )
+        map_index = getattr(ti, "map_index", -1)
+        name = f"{ti.task_id}{'' if map_index in (-1, None) else f'-{map_index}'}-try{ti.try_number}.pkl"
+        return "/".join([base.rstrip("/"), ti.dag_id, ti.run_id, name])
 
     def on_kill(self) -> None:
         if self._hook is not None:

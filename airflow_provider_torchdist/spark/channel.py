@@ -237,6 +237,22 @@ class ChannelClient:
         header = json.dumps({"k": "output", "n": len(data)}).encode() + b"\n"
         return self._send_raw(header, memoryview(data))
 
+    def output_file(self, path: str) -> bool:
+        """Stream a pickled output from a file: the bytes never sit in this process's memory."""
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            header = json.dumps({"k": "output", "n": size}).encode() + b"\n"
+            with self._lock:
+                if self.broken:
+                    return False
+                try:
+                    self._sock.sendall(header)
+                    self._sock.sendfile(f)
+                    return True
+                except OSError as exc:
+                    self.broken = repr(exc)
+                    return False
+
     def close(self) -> None:
         self.send({"k": "bye"})
         with self._lock:

@@ -165,6 +165,8 @@ def test_script_path_is_rendered(tmp_path):
 
 
 class FakeTI:
+    dag_id, run_id, task_id, map_index, try_number = "d", "manual__1", "train", -1, 1
+
     def __init__(self):
         self.pushed: dict = {}
 

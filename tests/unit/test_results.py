@@ -81,7 +81,7 @@ def test_envelope_is_small_json_with_documented_fields():
     pickled = cloudpickle.dumps(value)
     out = to_xcom(pickled)
     text = json.dumps(out, allow_nan=False)  # XCom stores JSON: this must not raise
-    assert set(out) == {ENVELOPE_KEY, "format", "type", "size", "data"}
+    assert set(out) == {ENVELOPE_KEY, "format", "type", "size", "data", "sig"}
     assert out[ENVELOPE_KEY] == 1
     assert out["format"] == "cloudpickle"
     assert out["type"] == "torch.Tensor"
@@ -152,3 +152,59 @@ class _Color(enum.IntEnum):
 def test_int_subclass_round_trips_with_its_type():
     back = load_output(_through_xcom(_Color.RED))
     assert back is _Color.RED
+
+
+# -- signatures and large outputs ------------------------------------------------------------------
+
+
+def _signed_tensor_envelope() -> dict:
+    return to_xcom(cloudpickle.dumps(torch.arange(4)))
+
+
+def test_tampered_envelope_is_refused_before_unpickling() -> None:
+    from airflow_provider_torchdist.results import OutputSignatureError
+
+    out = _signed_tensor_envelope()
+    evil = dict(out, data=base64.b64encode(cloudpickle.dumps(torch.arange(5))).decode())
+    with pytest.raises(OutputSignatureError, match="signature does not match"):
+        load_output(evil)
+    unsigned = {k: v for k, v in out.items() if k != "sig"}
+    with pytest.raises(OutputSignatureError):
+        load_output(unsigned)
+
+
+def test_envelope_from_another_deployment_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from airflow_provider_torchdist.results import OutputSignatureError
+
+    monkeypatch.setenv("AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY", "deployment-a")
+    out = _signed_tensor_envelope()
+    assert torch.equal(load_output(out), torch.arange(4))
+    monkeypatch.setenv("AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY", "deployment-b")
+    with pytest.raises(OutputSignatureError, match="another"):
+        load_output(out)
+
+
+def test_default_key_file_is_private_and_stable(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from airflow_provider_torchdist.results import KEY_FILE, signing_key
+
+    monkeypatch.delenv("AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY", raising=False)
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    key = signing_key()
+    assert len(key) == 64 and signing_key() == key
+    assert oct((tmp_path / KEY_FILE).stat().st_mode & 0o777) == "0o600"
+
+
+def test_large_output_goes_by_signed_reference(tmp_path) -> None:
+    from airflow_provider_torchdist.results import OutputSignatureError, output_to_xcom
+
+    value = {"weights": torch.randn(64, 64)}
+    src = tmp_path / "output.pkl"
+    src.write_bytes(cloudpickle.dumps(value))
+    ref = output_to_xcom(src, max_inline_bytes=1024, store_uri=f"file://{tmp_path}/store/run/train-try1.pkl")
+    assert "data" not in ref and ref["ref"].endswith("train-try1.pkl")
+    assert len(json.dumps(ref)) < 600  # XCom holds a small reference, not the tensor
+    assert torch.equal(load_output(ref)["weights"], value["weights"])
+    stored = tmp_path / "store/run/train-try1.pkl"
+    stored.write_bytes(cloudpickle.dumps({"weights": torch.zeros(1)}))  # someone swaps the file
+    with pytest.raises(OutputSignatureError):
+        load_output(ref)
