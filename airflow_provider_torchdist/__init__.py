@@ -1,7 +1,8 @@
 """Run a PyTorch training callable or script as a distributed job on Spark, from Airflow.
 
 Public names: :class:`TorchDistributorOperator`, :class:`TorchDistributorHook`, :func:`load_output`,
-and :func:`report` for training code.
+and for training code :func:`report`, :func:`save_checkpoint`, :func:`load_latest_checkpoint`
+and :func:`checkpoint_dir`.
 They load lazily, so the Spark side (``airflow_provider_torchdist.spark``), which ships to the
 cluster inside this package, never imports Airflow.
 """
@@ -12,19 +13,35 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["TorchDistributorHook", "TorchDistributorOperator", "load_output", "report"]
+__all__ = [
+    "TorchDistributorHook",
+    "TorchDistributorOperator",
+    "checkpoint_dir",
+    "load_latest_checkpoint",
+    "load_output",
+    "report",
+    "save_checkpoint",
+]
 
 _LAZY = {
     "TorchDistributorOperator": "airflow_provider_torchdist.operators.torch_distributor",
     "TorchDistributorHook": "airflow_provider_torchdist.hooks.torch_distributor",
     "load_output": "airflow_provider_torchdist.results",
     "report": "airflow_provider_torchdist.spark.metrics",
+    "checkpoint_dir": "airflow_provider_torchdist.spark.checkpoints",
+    "save_checkpoint": "airflow_provider_torchdist.spark.checkpoints",
+    "load_latest_checkpoint": "airflow_provider_torchdist.spark.checkpoints",
 }
 
 if TYPE_CHECKING:
     from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
     from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
     from airflow_provider_torchdist.results import load_output
+    from airflow_provider_torchdist.spark.checkpoints import (
+        checkpoint_dir,
+        load_latest_checkpoint,
+        save_checkpoint,
+    )
     from airflow_provider_torchdist.spark.metrics import report
 
 

@@ -15,9 +15,10 @@ from typing import Any, TypeVar
 
 import cloudpickle
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
-from airflow.providers.common.compat.sdk import AirflowException, AirflowNotFoundException
+from airflow.providers.common.compat.sdk import AirflowException, AirflowNotFoundException, mask_secret
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
+from airflow_provider_torchdist.spark.checkpoints import CHECKPOINT_ENV
 from airflow_provider_torchdist.spark.outcome import Outcome
 from airflow_provider_torchdist.staging import StagedRun, stage_run
 from airflow_provider_torchdist.validation import check_args, check_bool, check_int, check_topology
@@ -28,6 +29,9 @@ DEFAULT_CONN_ID = "spark_default"
 #: Connection extra with the standalone master's web UI, e.g. ``http://spark-master:8080``: with it the
 #: hook checks before submitting that the cluster can ever fit the job.
 MASTER_WEB_UI_EXTRA = "master-web-ui"
+_SECRET_NAME = re.compile(
+    r"secret|password|passwd|token|credential|private|api[_.-]?key|access[_.-]?key", re.I
+)
 _APPLICATION_LINE = re.compile(r"\[torchdist\] application (?P<app>\S+) spark-ui (?P<ui>\S+)")
 EMBEDDED_HOST = "127.0.0.1"
 
@@ -82,6 +86,10 @@ class TorchDistributorHook(SparkSubmitHook):
     :param conf: Spark configuration properties.
     :param rank_env: environment variables for every rank.
     :param staging_dir: where per-run staging directories are created (default: the temp dir).
+    :param checkpoint_dir: a directory every rank finds in ``TORCHDIST_CHECKPOINT_DIR`` (for
+        ``save_checkpoint`` / ``load_latest_checkpoint``); created if it is a local path.
+    :param allow_unencrypted: run even when ``spark.ssl.enabled=true``, accepting that torch's own
+        traffic (gloo/NCCL, the rendezvous store) and the run channel are not encrypted.
     :param spark_submit_kwargs: any other :class:`SparkSubmitHook` argument (``executor_memory``,
         ``driver_memory``, ``executor_cores``, ``env_vars``, ``name``, ...).
     """
@@ -103,6 +111,8 @@ class TorchDistributorHook(SparkSubmitHook):
         conf: dict[str, Any] | None = None,
         rank_env: dict[str, str] | None = None,
         staging_dir: str | None = None,
+        allow_unencrypted: bool = False,
+        checkpoint_dir: str | None = None,
         **spark_submit_kwargs: Any,
     ) -> None:
         self.num_processes, self.nproc_per_node, self.local_mode = check_topology(
@@ -114,7 +124,18 @@ class TorchDistributorHook(SparkSubmitHook):
         self.slot_timeout = float(slot_timeout)
         self.socket_ifname = socket_ifname
         self.rank_env = {str(k): str(v) for k, v in (rank_env or {}).items()}
+        self.checkpoint_dir = checkpoint_dir
+        if checkpoint_dir:
+            self.rank_env[CHECKPOINT_ENV] = str(checkpoint_dir)
         self.staging_dir = staging_dir
+        self.allow_unencrypted = check_bool(allow_unencrypted, "allow_unencrypted")
+        for name, value in {
+            **(conf or {}),
+            **(rank_env or {}),
+            **(spark_submit_kwargs.get("env_vars") or {}),
+        }.items():
+            if _SECRET_NAME.search(str(name)):
+                mask_secret(str(value))  # Airflow then redacts it from every log line and error
         self.embedded = False
         self.master_web_ui: str | None = None
         #: Called with (application id, Spark UI URL or None, master's application page or None) as
@@ -216,6 +237,16 @@ class TorchDistributorHook(SparkSubmitHook):
 
     # -- running ------------------------------------------------------------------------------
 
+    def check_transport_security(self) -> None:
+        """Refuse to mix an encrypted Spark cluster with torch's unencrypted traffic unless told to."""
+        if str(self._conf.get("spark.ssl.enabled", "false")).lower() == "true" and not self.allow_unencrypted:
+            raise InvalidTrainingConfig(
+                "spark.ssl.enabled=true, but torch.distributed traffic (gloo/NCCL collectives, the "
+                "rendezvous store) and this provider's run channel between ranks and driver are not "
+                "encrypted, so training data and gradients would cross the network in the clear. Run on a "
+                "network you trust and pass allow_unencrypted=True to accept this."
+            )
+
     def check_gpu_conf(self) -> None:
         """``use_gpu`` needs Spark to schedule GPUs to the barrier tasks; say how when it does not."""
         if not self.use_gpu or self.local_mode:
@@ -293,7 +324,10 @@ class TorchDistributorHook(SparkSubmitHook):
     ) -> T:
         """Train, then hand ``handle`` the file holding rank 0's pickled value (None for a script)
         before the staging directory goes: large outputs are streamed on, never loaded whole."""
+        self.check_transport_security()
         self.check_gpu_conf()
+        if self.checkpoint_dir and "://" not in self.checkpoint_dir:
+            os.makedirs(self.checkpoint_dir, exist_ok=True)
         slot_timeout = self.check_cluster_capacity()
         staged = stage_run(
             train_object,

@@ -16,6 +16,7 @@ from airflow_provider_torchdist.links import (
     SparkUILink,
 )
 from airflow_provider_torchdist.results import DEFAULT_MAX_XCOM_OUTPUT_BYTES, output_to_xcom
+from airflow_provider_torchdist.spark.checkpoints import CHECKPOINT_ENV
 from airflow_provider_torchdist.validation import (
     check_args,
     check_bool,
@@ -24,6 +25,11 @@ from airflow_provider_torchdist.validation import (
     check_train_object,
     is_template,
 )
+
+
+def _airflow_home() -> str:
+    return os.path.expanduser(os.environ.get("AIRFLOW_HOME", "~/airflow"))
+
 
 #: XCom key of the list of ``report()`` records: ``[{"rank": 0, "step": 3, "time": ..., "loss": 0.12}, ...]``.
 METRICS_XCOM_KEY = "metrics"
@@ -71,6 +77,9 @@ class TorchDistributorOperator(BaseOperator):
         ``ObjectStoragePath`` URI: ``s3://bucket/prefix``, ``file:///shared/dir``); XCom then holds a
         signed reference. Default: ``$AIRFLOW_HOME/torchdist-outputs`` on the worker.
     :param max_xcom_output_bytes: largest pickled output carried inline in XCom (default 4 MiB).
+    :param checkpoint_dir: the directory ranks find in ``TORCHDIST_CHECKPOINT_DIR``; default
+        ``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>``, the same for every try.
+    :param allow_unencrypted: run even when ``spark.ssl.enabled=true`` (torch traffic is not encrypted).
     :param spark_submit_kwargs: other ``SparkSubmitHook`` settings: ``executor_memory``,
         ``driver_memory``, ``executor_cores``, ``num_executors``, ``total_executor_cores``,
         ``name``, ``verbose``, ``properties_file``, ``spark_binary``, ...
@@ -92,6 +101,7 @@ class TorchDistributorOperator(BaseOperator):
         "env_vars",
         "rank_env",
         "output_path",
+        "checkpoint_dir",
         "conn_id",
     )
     template_fields_renderers = {"conf": "json", "train_kwargs": "json", "train_args": "json"}
@@ -118,6 +128,8 @@ class TorchDistributorOperator(BaseOperator):
         rank_env: dict[str, str] | None = None,
         output_path: str | None = None,
         max_xcom_output_bytes: int = DEFAULT_MAX_XCOM_OUTPUT_BYTES,
+        checkpoint_dir: str | None = None,
+        allow_unencrypted: bool = False,
         spark_submit_kwargs: dict[str, Any] | None = None,
         **base_kwargs: Any,
     ) -> None:
@@ -139,6 +151,8 @@ class TorchDistributorOperator(BaseOperator):
         self.rank_env = rank_env
         self.output_path = output_path
         self.max_xcom_output_bytes = max_xcom_output_bytes
+        self.checkpoint_dir = checkpoint_dir
+        self.allow_unencrypted = allow_unencrypted
         self.spark_submit_kwargs = dict(spark_submit_kwargs or {})
         self._hook: TorchDistributorHook | None = None
         self._validate(at_parse_time=True)
@@ -192,6 +206,8 @@ class TorchDistributorOperator(BaseOperator):
             rendezvous_timeout=self.rendezvous_timeout,
             slot_timeout=self.slot_timeout,
             socket_ifname=self.socket_ifname,
+            allow_unencrypted=self.allow_unencrypted,
+            checkpoint_dir=self.checkpoint_dir,
             conn_id=self.conn_id,
             conf=self.conf,
             env_vars=self.env_vars,
@@ -213,6 +229,9 @@ class TorchDistributorOperator(BaseOperator):
 
         self._hook.on_application = push_links
         store_uri = self.output_uri(context)
+        if self.checkpoint_dir is None:
+            self._hook.checkpoint_dir = self.default_checkpoint_dir(context)
+            self._hook.rank_env[CHECKPOINT_ENV] = self._hook.checkpoint_dir
         try:
             return self._hook.run_to_path(
                 self.train_object,
@@ -227,12 +246,18 @@ class TorchDistributorOperator(BaseOperator):
             if self._hook.metrics:
                 ti.xcom_push(key=METRICS_XCOM_KEY, value=self._hook.metrics)
 
+    def default_checkpoint_dir(self, context: Any) -> str:
+        """``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>[-map]``: the same for every try of
+        this task in this DAG run, so a retry resumes where the last try stopped."""
+        ti = context["ti"]
+        map_index = getattr(ti, "map_index", -1)
+        task = ti.task_id if map_index in (-1, None) else f"{ti.task_id}-{map_index}"
+        return os.path.join(_airflow_home(), "torchdist-checkpoints", ti.dag_id, ti.run_id, task)
+
     def output_uri(self, context: Any) -> str:
         """Where this try's large output goes: ``<output_path>/<dag>/<run>/<task>[-map]-try<n>.pkl``."""
         ti = context["ti"]
-        base = self.output_path or "file://" + os.path.join(
-            os.path.expanduser(os.environ.get("AIRFLOW_HOME", "~/airflow")), "torchdist-outputs"
-        )
+        base = self.output_path or "file://" + os.path.join(_airflow_home(), "torchdist-outputs")
         map_index = getattr(ti, "map_index", -1)
         name = f"{ti.task_id}{'' if map_index in (-1, None) else f'-{map_index}'}-try{ti.try_number}.pkl"
         return "/".join([base.rstrip("/"), ti.dag_id, ti.run_id, name])

@@ -24,6 +24,7 @@ import socket
 import socketserver
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -70,6 +71,10 @@ class RunChannel:
         self.agent_failures: list[RankFailure] = []
         self.metrics: list[dict[str, Any]] = []
         self.started_nodes: set[int] = set()
+        #: Ranks whose connection ended without a goodbye: (host, when). A rank killed by a signal
+        #: cannot say so itself; this is how the driver still knows it died, and died first.
+        self.vanished: dict[int, tuple[str | None, float]] = {}
+        self._first_problem: dict[int, float] = {}
         self.rejected = 0
         channel = self
 
@@ -104,15 +109,34 @@ class RunChannel:
 
     @property
     def failures(self) -> list[RankFailure]:
-        """Every failure reported, one per rank: the agent's record filled in with the rank's own."""
+        """The failures that ended the run: each agent's record filled in with the rank's own.
+
+        Only an agent decides that a rank failed for good: with ``max_restarts`` a rank that raised
+        may have been restarted and succeeded, so a rank's own error alone is not a failure.
+        """
         with self._state_lock:
-            merged: list[RankFailure] = []
-            for failure in self.agent_failures:
+            if not self.agent_failures:
+                return []
+            merged: dict[int | None, RankFailure] = {}
+            for i, failure in enumerate(self.agent_failures):
                 own = self.rank_errors.get(failure.rank) if failure.rank is not None else None
-                merged.append(own.merge(failure) if own else failure)
-            reported = {f.rank for f in self.agent_failures}
-            merged += [error for rank, error in self.rank_errors.items() if rank not in reported]
-        return sorted(merged, key=lambda f: (f.rank is None, f.rank or 0))
+                merged[failure.rank if failure.rank is not None else -1 - i] = (
+                    own.merge(failure) if own else failure
+                )
+            # A rank that vanished without reporting, while the agent blamed a peer that lost it.
+            for rank, (host, _) in self.vanished.items():
+                if rank not in merged and rank not in self.rank_errors:
+                    merged[rank] = RankFailure(
+                        rank=rank,
+                        host=host,
+                        message="the process died without reporting an error (killed by a signal, "
+                        "e.g. SIGKILL from the OOM killer, or ended by os._exit)",
+                    )
+            first = {**{r: t for r, (_, t) in self.vanished.items()}, **self._first_problem}
+            # Root cause first: the rank whose trouble started earliest.
+            return sorted(
+                merged.values(), key=lambda f: (first.get(f.rank, float("inf")), f.rank is None, f.rank or 0)
+            )
 
     def say(self, text: str) -> None:
         """Print a line of the driver's own to the task log."""
@@ -149,6 +173,7 @@ class RunChannel:
                 elif kind == "error":
                     with self._state_lock:
                         self.rank_errors[rank] = RankFailure(rank=rank, host=host, **msg["e"])
+                        self._first_problem.setdefault(rank, time.monotonic())
                 elif kind == "failures":
                     with self._state_lock:
                         self.agent_failures.extend(RankFailure(**f) for f in msg["failures"])
@@ -169,6 +194,9 @@ class RunChannel:
         except (OSError, ValueError) as exc:
             self.say(f"channel from {prefix} broke: {exc!r}")
         if not clean:
+            if rank is not None:
+                with self._state_lock:
+                    self.vanished.setdefault(rank, (host, time.monotonic()))
             self.say(
                 f"channel from {prefix} closed without a goodbye: the process may have died; "
                 "anything it printed after this is only in its executor's log"

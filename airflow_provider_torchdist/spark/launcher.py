@@ -132,6 +132,9 @@ def launch_node(
                 )
             ]
     os.environ.update(rank_environment(spec, host, nproc))
+    # With the rendezvous store shared with the ranks, a restarted group reads the dead group's
+    # gloo addresses from it and cannot connect; a fresh store per round avoids that.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     log_dir = tempfile.mkdtemp(prefix="torchdist-agent-")
     # The agent installs its own handlers for these; a reused Spark Python worker must get back the
     # ones it had, or it would not die when its daemon later tells it to.

@@ -42,8 +42,22 @@ def no_leftovers():
     yield
     deadline = time.monotonic() + 15
     while True:
-        left = {pid: cmd for pid, cmd in _run_processes().items() if pid not in before}
+        # New run processes that are still ours, or orphans (a process someone else started on the
+        # machine meanwhile is neither).
+        ours = {p.pid for p in psutil.Process().children(recursive=True)}
+        left = {
+            pid: cmd
+            for pid, cmd in _run_processes().items()
+            if pid not in before and (pid in ours or _parent(pid) == 1)
+        }
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert not left, f"processes left running: {[(pid, cmd[:200]) for pid, cmd in left.items()]}"
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
+        return None

@@ -168,9 +168,10 @@ def test_errors_and_agent_failures_are_merged_per_rank(ch):
             message="boom",
             traceback="Traceback: ...boom",
         ),
-        RankFailure(rank=2, host="hostY", exc_type="KeyError", message="'k'", traceback="tb2"),
         RankFailure(rank=3, host="hostX", local_rank=1, exitcode=-9, signal="SIGKILL"),
     ]
+    # Rank 2 raised, but its agent did not report it failed (a restart may have fixed it): not a failure.
+    assert 2 in ch.channel.rank_errors
     assert ch.failure_calls == [1]  # the driver was told at once, to cancel the stage
     assert ch.text == ""  # errors are kept, not printed
 
