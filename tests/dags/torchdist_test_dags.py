@@ -6,6 +6,8 @@ this proves the by-value pickling. ``evaluate`` reads rank 0's value through ``l
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pendulum
 from airflow.sdk import dag, task
 
@@ -67,3 +69,102 @@ def make_dag(dag_id: str, local_mode: bool, fail_rank: int = -1):
 make_dag("torchdist_e2e_local", local_mode=True)
 make_dag("torchdist_e2e_distributed", local_mode=False)
 make_dag("torchdist_e2e_failure", local_mode=False, fail_rank=1)
+
+
+def train_resumable(steps: int, every: int, die_at: int) -> dict:
+    """Rank 1 is SIGKILLed once at ``die_at``; a later try resumes from the newest checkpoint."""
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    from airflow_provider_torchdist import checkpoint_dir, load_latest_checkpoint, save_checkpoint
+
+    dist.init_process_group("gloo")
+    start, state = load_latest_checkpoint() or (0, None)
+    weight = state["weight"] if state else torch.zeros(1)
+    marker = checkpoint_dir() / "killed-once"
+    for step in range(start, steps):
+        if step == die_at and dist.get_rank() == 1 and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        weight = weight + 1
+        dist.barrier()
+        if (step + 1) % every == 0:
+            save_checkpoint({"weight": weight}, step + 1)
+    dist.destroy_process_group()
+    return {"resumed_from": start, "weight": weight.item(), "checkpoint_dir": str(checkpoint_dir())}
+
+
+def sleep_long() -> None:
+    import os
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    markers = Path(os.environ["AIRFLOW_HOME"], "sleepers")
+    markers.mkdir(exist_ok=True)
+    (markers / str(os.getpid())).touch()
+    time.sleep(600)
+
+
+def big_output() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return {"rank": dist.get_rank(), "weights": torch.ones(2_000_000)}  # 8 MB: above the XCom limit
+
+
+@dag(dag_id="torchdist_e2e_retry_resume", schedule=None, start_date=START, catchup=False)
+def retry_resume():
+    TorchDistributorOperator(
+        task_id="train",
+        train_object=train_resumable,
+        args=[10, 2, 5],
+        num_processes=2,
+        local_mode=True,
+        retries=1,
+        retry_delay=timedelta(seconds=0),
+    )
+
+
+@dag(dag_id="torchdist_e2e_timeout", schedule=None, start_date=START, catchup=False)
+def timeout():
+    TorchDistributorOperator(
+        task_id="train",
+        train_object=sleep_long,
+        num_processes=2,
+        local_mode=False,
+        execution_timeout=timedelta(seconds=25),
+    )
+
+
+@dag(dag_id="torchdist_e2e_large_output", schedule=None, start_date=START, catchup=False)
+def large_output():
+    trained = TorchDistributorOperator(
+        task_id="train",
+        train_object=big_output,
+        num_processes=2,
+        local_mode=True,
+        max_xcom_output_bytes=1024 * 1024,
+    )
+
+    @task
+    def evaluate(value) -> dict:
+        result = load_output(value)
+        return {
+            "rank": result["rank"],
+            "numel": result["weights"].numel(),
+            "sum": result["weights"].sum().item(),
+        }
+
+    evaluate(trained.output)
+
+
+retry_resume()
+timeout()
+large_output()

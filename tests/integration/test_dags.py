@@ -15,7 +15,14 @@ pytestmark = pytest.mark.integration
 
 HERE = Path(__file__).parent
 DAGS = HERE.parent / "dags"
-DAG_IDS = ["torchdist_e2e_local", "torchdist_e2e_distributed", "torchdist_e2e_failure"]
+DAG_IDS = [
+    "torchdist_e2e_local",
+    "torchdist_e2e_distributed",
+    "torchdist_e2e_failure",
+    "torchdist_e2e_retry_resume",
+    "torchdist_e2e_timeout",
+    "torchdist_e2e_large_output",
+]
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +91,44 @@ def test_failing_rank_fails_the_task_with_its_error(dag_runs: tuple[dict, Path, 
         )
     assert rows["train"] == "failed"
     assert rows["evaluate"] == "upstream_failed"
+
+
+def _task_tries(db: Path, dag_id: str) -> dict[str, tuple[str, int]]:
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute(
+            "SELECT task_id, state, try_number FROM task_instance WHERE dag_id=?", (dag_id,)
+        ).fetchall()
+    return {task: (state, tries) for task, state, tries in rows}
+
+
+def test_airflow_retry_resumes_from_the_latest_checkpoint(dag_runs: tuple[dict, Path, str]) -> None:
+    states, db, output = dag_runs
+    dag_id = "torchdist_e2e_retry_resume"
+    assert states[dag_id]["state"] == "success", output[-5000:]
+    assert _task_tries(db, dag_id)["train"] == ("success", 2)  # try 1 lost rank 1, try 2 finished
+    result = xcom(db, dag_id, states[dag_id]["run_id"], "train")
+    assert result["resumed_from"] == 4  # newest checkpoint before the kill at step 5
+    assert result["weight"] == 10.0  # the target step count, no step done twice
+    assert f"/{dag_id}/" in result["checkpoint_dir"]  # the per-task directory, the same for both tries
+
+
+def test_execution_timeout_kills_every_process(dag_runs: tuple[dict, Path, str]) -> None:
+    states, db, output = dag_runs
+    assert states["torchdist_e2e_timeout"]["state"] == "failed"
+    assert _task_tries(db, "torchdist_e2e_timeout")["train"][0] == "failed"
+    assert "Timeout" in output or "timed out" in output
+    sleepers = list((db.parent / "sleepers").iterdir())
+    assert len(sleepers) == 2  # both ranks were running when the timeout hit
+    for marker in sleepers:
+        assert not Path(f"/proc/{marker.name}").exists(), f"rank process {marker.name} outlived the timeout"
+
+
+def test_large_output_travels_by_reference(dag_runs: tuple[dict, Path, str]) -> None:
+    states, db, output = dag_runs
+    dag_id = "torchdist_e2e_large_output"
+    assert states[dag_id]["state"] == "success", output[-5000:]
+    pushed = xcom(db, dag_id, states[dag_id]["run_id"], "train")
+    assert "data" not in pushed and pushed["ref"].startswith("file://") and pushed["size"] > 8_000_000
+    assert Path(pushed["ref"].removeprefix("file://")).stat().st_size == pushed["size"]
+    summary = xcom(db, dag_id, states[dag_id]["run_id"], "evaluate")
+    assert summary == {"rank": 0, "numel": 2_000_000, "sum": 2_000_000.0}

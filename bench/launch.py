@@ -1,0 +1,219 @@
+"""Launch overhead: the trivial 2-rank DDP workload through every launcher, interleaved.
+
+Usage: ``python bench/launch.py [--rounds 3] [--quick] [--only NAME ...]``
+
+Each round runs every variant once, in order (A B C ... A B C ...), after one uncounted warm-up
+round, so drifting machine load hits all variants alike. Each sample is a fresh process tree,
+timed from just before the fork to just after the exit. Medians and ratios go to
+``bench/results/latest.json`` (section ``launch``) and the README section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common import (
+    BIN,
+    PYTHON,
+    WORKLOADS,
+    bench_env,
+    log,
+    machine_info,
+    make_airflow_home,
+    median,
+    run_timed,
+    sample_dict,
+    spark_submit_cmd,
+    update_results,
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of launching the workload."""
+
+    name: str
+    label: str
+    command: Callable[[], list[str]]
+    check: Callable[[dict[str, Any] | None], bool] = lambda result: True
+
+
+def _value_ok(result: dict[str, Any] | None) -> bool:
+    value = (result or {}).get("value") or {}
+    return value.get("world_size") == 2 and value.get("allreduce") == 3.0
+
+
+def _dag_ok(result: dict[str, Any] | None) -> bool:
+    return str((result or {}).get("state", "")).endswith("success")
+
+
+VARIANTS = [
+    Variant(
+        "torchrun",
+        "raw `torchrun --standalone --nproc_per_node=2`",
+        lambda: [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc_per_node=2",
+            str(WORKLOADS / "ddp_trivial.py"),
+        ],
+    ),
+    Variant(
+        "spark_empty",
+        "`spark-submit local[2]`, empty 2-task barrier stage",
+        lambda: spark_submit_cmd(WORKLOADS / "spark_empty.py"),
+    ),
+    Variant(
+        "pyspark_local",
+        "PySpark `TorchDistributor`, local_mode=True",
+        lambda: spark_submit_cmd(WORKLOADS / "pyspark_td.py", "--local"),
+        _value_ok,
+    ),
+    Variant(
+        "pyspark_distributed",
+        "PySpark `TorchDistributor`, local_mode=False",
+        lambda: spark_submit_cmd(WORKLOADS / "pyspark_td.py", "--distributed"),
+        _value_ok,
+    ),
+    Variant(
+        "hook_local",
+        "this project, `TorchDistributorHook` local_mode=True",
+        lambda: [PYTHON, str(WORKLOADS / "hook_run.py"), "--local"],
+        _value_ok,
+    ),
+    Variant(
+        "hook_distributed",
+        "this project, `TorchDistributorHook` local_mode=False",
+        lambda: [PYTHON, str(WORKLOADS / "hook_run.py"), "--distributed"],
+        _value_ok,
+    ),
+    Variant(
+        "dag_local",
+        "this project, operator in `dag.test()`, local_mode=True",
+        lambda: [PYTHON, str(WORKLOADS / "dag_run.py"), "bench_torchdist_local"],
+        _dag_ok,
+    ),
+    Variant(
+        "dag_distributed",
+        "this project, operator in `dag.test()`, local_mode=False",
+        lambda: [PYTHON, str(WORKLOADS / "dag_run.py"), "bench_torchdist_distributed"],
+        _dag_ok,
+    ),
+]
+
+#: (numerator, denominator, target, comparison) for each ratio the issue asks about.
+RATIOS = [
+    ("hook_distributed", "torchrun", 2.0, "<="),
+    ("hook_distributed", "pyspark_distributed", 0.45, "<="),
+    ("hook_local", "torchrun", 1.30, "<="),
+    ("dag_distributed", "torchrun", 2.0, "<="),
+    ("dag_distributed", "pyspark_distributed", 0.45, "<="),
+    ("dag_local", "torchrun", 1.30, "<="),
+    ("pyspark_local", "torchrun", None, ""),
+    ("pyspark_distributed", "torchrun", None, ""),
+    ("spark_empty", "torchrun", None, ""),
+]
+
+
+def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Medians (and min/max) of the counted samples; ratios of medians against the targets."""
+    stats: dict[str, Any] = {}
+    for name, runs in samples.items():
+        good = [s["wall_s"] for s in runs if s["ok"]]
+        inner = [s["result"]["run_s"] for s in runs if s["ok"] and s.get("result") and "run_s" in s["result"]]
+        stats[name] = {
+            "median_s": median(good),
+            "min_s": min(good) if good else None,
+            "max_s": max(good) if good else None,
+            "n_ok": len(good),
+            "n": len(runs),
+            "median_inner_run_s": median(inner),
+        }
+    ratios = []
+    for num, den, target, _op in RATIOS:
+        a, b = stats.get(num, {}).get("median_s"), stats.get(den, {}).get("median_s")
+        if not a or not b:
+            continue
+        ratio = round(a / b, 3)
+        ratios.append(
+            {
+                "numerator": num,
+                "denominator": den,
+                "ratio": ratio,
+                "target": target,
+                "met": None if target is None else ratio <= target,
+            }
+        )
+    return {"stats": stats, "ratios": ratios}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="counted rounds (default 3)")
+    parser.add_argument("--quick", action="store_true", help="one counted round (for development)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these variants")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up round")
+    args = parser.parse_args(argv)
+    rounds = 1 if args.quick else args.rounds
+    variants = [v for v in VARIANTS if not args.only or v.name in args.only]
+    machine = machine_info()
+    log(f"machine: {machine['nproc']} x {machine['cpu_model']}, {machine['mem_gib']} GiB")
+    home = make_airflow_home()
+    env = bench_env(home)
+    samples: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
+    warmup: dict[str, float] = {}
+    try:
+        schedule = ([0] if not args.no_warmup else []) + list(range(1, rounds + 1))
+        for round_no in schedule:
+            for variant in variants:
+                sample = run_timed(variant.command(), env)
+                ok = sample.rc == 0 and variant.check(sample.result)
+                tag = "warm-up" if round_no == 0 else f"round {round_no}/{rounds}"
+                log(f"{tag} {variant.name}: {sample.wall_s:.2f} s{'' if ok else ' FAILED'}")
+                if not ok:
+                    print(sample.tail, file=sys.stderr)
+                if round_no == 0:
+                    warmup[variant.name] = sample.wall_s
+                else:
+                    samples[variant.name].append({"round": round_no, "ok": ok, **sample_dict(sample)})
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    summary = summarize(samples)
+    update_results(
+        "launch",
+        {
+            "machine": machine,
+            "rounds": rounds,
+            "variants": {v.name: v.label for v in variants},
+            "commands": {
+                v.name: " ".join(Path(c).name if c.startswith("/") else c for c in v.command())
+                for v in variants
+            },
+            **summary,
+            "warmup_s": warmup,
+            "samples": samples,
+        },
+    )
+    for name, st in summary["stats"].items():
+        log(f"{name:22s} median {st['median_s']} s (n={st['n_ok']}/{st['n']})")
+    for r in summary["ratios"]:
+        verdict = (
+            "" if r["target"] is None else (" met" if r["met"] else " MISSED") + f" (target <= {r['target']})"
+        )
+        log(f"{r['numerator']} / {r['denominator']} = {r['ratio']}{verdict}")
+    from report import render_readme
+
+    render_readme()
+    return 0 if all(s["ok"] for runs in samples.values() for s in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
