@@ -8,12 +8,11 @@ from typing import Any
 def get_provider_info() -> dict[str, Any]:
     """What ``airflow providers list`` shows, validated against Airflow's ``provider_info.schema.json``.
 
-    No ``connection-types``: the hook uses the Spark provider's ``spark`` connection type as it is
-    (``TorchDistributorHook`` subclasses ``SparkSubmitHook``; default ``spark_default``, or an
-    embedded local master when that is undefined). Airflow 3.3 describes a connection's form
-    (``conn-fields``, ``ui-field-behaviour``) only inside a ``connection-types`` entry, and a
-    second provider declaring ``spark`` is ignored with a warning, so the Spark provider's own
-    form (host, port, deploy-mode, queue, spark-binary, namespace, ...) stays the one in the UI.
+    The hook works with the Spark provider's ``spark`` connections as they are. It also declares a
+    ``torchdist_spark`` connection type ("PyTorch on Spark"): the same fields, plus the one this
+    provider adds (the standalone master's web UI, for the slot check before submitting and the
+    master-page link), described declaratively so the UI's connection form shows them. Declaring
+    ``spark`` itself again would be ignored, with a warning, in favour of the Spark provider's.
     """
     from airflow_provider_torchdist import __version__
 
@@ -40,6 +39,44 @@ def get_provider_info() -> dict[str, Any]:
             {
                 "integration-name": "PyTorch on Spark",
                 "python-modules": ["airflow_provider_torchdist.hooks.torch_distributor"],
+            }
+        ],
+        "connection-types": [
+            {
+                "connection-type": "torchdist_spark",
+                "hook-class-name": "airflow_provider_torchdist.hooks.torch_distributor.TorchDistributorHook",
+                "hook-name": "PyTorch on Spark",
+                "ui-field-behaviour": {
+                    "hidden-fields": ["schema", "login", "password", "extra"],
+                    "relabeling": {"host": "Master"},
+                    "placeholders": {
+                        "host": "spark://spark-master.example.com, yarn, or k8s://https://k8s-api:6443",
+                        "port": "7077 (standalone master port, if not in Master)",
+                    },
+                },
+                "conn-fields": {
+                    "master-web-ui": {
+                        "label": "Master web UI",
+                        "description": "A standalone master's web UI, e.g. http://spark-master:8080. With "
+                        "it, a job too big for the cluster fails before submitting, and the task gets a "
+                        "link to the application's page on the master.",
+                        "schema": {"type": ["string", "null"]},
+                    },
+                    "queue": {
+                        "label": "YARN queue",
+                        "description": "YARN queue to submit to.",
+                        "schema": {"type": ["string", "null"]},
+                    },
+                    "namespace": {
+                        "label": "Kubernetes namespace",
+                        "schema": {"type": ["string", "null"]},
+                    },
+                    "spark-binary": {
+                        "label": "Spark binary",
+                        "description": "spark-submit, spark2-submit or spark3-submit, found on PATH.",
+                        "schema": {"type": ["string", "null"], "default": "spark-submit"},
+                    },
+                },
             }
         ],
         # The "Spark UI" button on a train task instance (TorchDistributorOperator.operator_extra_links).

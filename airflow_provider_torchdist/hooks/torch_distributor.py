@@ -26,6 +26,8 @@ from airflow_provider_torchdist.validation import check_args, check_bool, check_
 T = TypeVar("T")
 
 DEFAULT_CONN_ID = "spark_default"
+#: This provider's connection type: a ``spark`` connection whose form also shows ``master-web-ui``.
+CONN_TYPE = "torchdist_spark"
 #: Connection extra with the standalone master's web UI, e.g. ``http://spark-master:8080``: with it the
 #: hook checks before submitting that the cluster can ever fit the job.
 MASTER_WEB_UI_EXTRA = "master-web-ui"
@@ -94,7 +96,18 @@ class TorchDistributorHook(SparkSubmitHook):
         ``driver_memory``, ``executor_cores``, ``env_vars``, ``name``, ...).
     """
 
-    hook_name = "PyTorch distributed training on Spark"
+    hook_name = "PyTorch on Spark"
+    conn_type = CONN_TYPE
+
+    @classmethod
+    def get_connection(cls, conn_id: str) -> Any:
+        """The connection, with a ``torchdist_spark`` one read as the ``spark`` one it mirrors: the
+        Spark provider builds the master URL (``spark://host:port``, ``yarn``, ``k8s://...``) only for
+        connections of type ``spark``."""
+        conn = super().get_connection(conn_id)
+        if conn.conn_type == CONN_TYPE:
+            conn.conn_type = "spark"
+        return conn
 
     def __init__(
         self,

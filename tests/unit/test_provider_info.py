@@ -49,12 +49,39 @@ def test_provider_info_classes_and_modules_import() -> None:
         assert issubclass(import_path(dotted), BaseOperatorLink), dotted
 
 
-def test_no_connection_type_of_its_own() -> None:
-    """The hook uses the Spark provider's ``spark`` type; declaring it again would be ignored."""
+def test_connection_form_declares_the_master_web_ui_field() -> None:
+    """Airflow's UI builds the "PyTorch on Spark" form from provider info alone (no hook import)."""
+    from airflow.providers_manager import ProvidersManager
+
+    manager = ProvidersManager()
+    widgets = manager.connection_form_widgets
+    field = widgets["extra__torchdist_spark__master-web-ui"]
+    assert field.package_name == PACKAGE
+    assert field.field["schema"]["title"] == "Master web UI"
+    assert "too big for the cluster" in field.field["description"]
+    behaviour = manager.field_behaviours["torchdist_spark"]
+    assert behaviour["relabeling"] == {"host": "Master"}
+    assert "extra" in behaviour["hidden_fields"]
+    assert manager.hooks["torchdist_spark"].hook_name == "PyTorch on Spark"
+    # The Spark provider's own "spark" type is left as it is.
+    assert manager.hooks["spark"].package_name == "apache-airflow-providers-apache-spark"
+
+
+def test_torchdist_spark_connection_resolves_like_a_spark_one(monkeypatch) -> None:
     from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 
-    assert "connection-types" not in get_provider_info()
-    assert TorchDistributorHook.conn_type == "spark"
+    conn = {
+        "conn_type": "torchdist_spark",
+        "host": "spark://spark-master.example.com",
+        "port": 7077,
+        "extra": {"master-web-ui": "http://spark-master.example.com:8080", "spark-binary": "spark-submit"},
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_TORCH_CLUSTER", json.dumps(conn))
+    hook = TorchDistributorHook(num_processes=2, conn_id="torch_cluster")
+
+    assert hook._connection["master"] == "spark://spark-master.example.com:7077"
+    assert hook.master_web_ui == "http://spark-master.example.com:8080"
+    assert not hook.embedded
 
 
 def test_entry_point_points_at_get_provider_info() -> None:
