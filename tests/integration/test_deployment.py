@@ -7,7 +7,7 @@ needs no login, so headless Chromium can screenshot it, and the API token comes 
 ``GET /auth/token``. Every request still carries that token, and a bad one is refused.
 
 The screenshot goes to ``artifacts/dag_run.png``. Chromium is installed by
-``scripts/install-chromium`` when missing; only the screenshot test skips when it cannot be.
+``scripts/install-chromium`` (which ``scripts/test`` runs) when missing; the test fails without it.
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ def test_ui_shows_the_dag_run_without_login(
 ) -> None:
     binary = chromium()
     if binary is None:
-        pytest.skip("Chromium is not installed and scripts/install-chromium could not install it")
+        pytest.fail("Chromium is not installed and scripts/install-chromium could not install it")
     run_id = triggered_run["dag_run_id"]
     url = f"{deployment.url}/dags/{DAG_ID}/runs/{urllib.parse.quote(run_id, safe='')}"
 

@@ -84,12 +84,16 @@ def _load_spark_cluster() -> ModuleType:
 
 sc_mod = _load_spark_cluster()
 
-requires_java = pytest.mark.skipif(
-    shutil.which("java") is None and not os.environ.get("JAVA_HOME"), reason="needs java"
-)
-requires_netns = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 for network namespaces"
-)
+
+def require_java() -> None:
+    """Fail, never skip: a skipped test proves nothing."""
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.fail("needs java (Java 17) for Spark")
+
+
+def require_netns() -> None:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.fail("needs root and iproute2 to create network namespaces")
 
 
 def _submit_probe(info, tmp_path: Path, timeout: float = 240.0) -> list[dict]:
@@ -139,9 +143,9 @@ def _assert_stopped(info) -> None:
     assert not set(info.netns_names) & set(namespaces)
 
 
-@requires_java
-@requires_netns
 def test_barrier_stage_spans_two_network_namespaces(tmp_path: Path) -> None:
+    require_java()
+    require_netns()
     # Leftovers of a crashed run with this prefix: `up` must remove them first.
     subprocess.run(["ip", "netns", "add", f"{NETNS_PREFIX}-w9"], check=True)
     subprocess.run(["ip", "link", "add", f"{NETNS_PREFIX}br0", "type", "bridge"], check=True)
@@ -188,8 +192,8 @@ def test_barrier_stage_spans_two_network_namespaces(tmp_path: Path) -> None:
     assert os.readlink("/proc/self/ns/net") not in namespaces
 
 
-@requires_java
 def test_loopback_cluster_runs_barrier_stage(tmp_path: Path) -> None:
+    require_java()
     with sc_mod.spark_cluster(
         workers=2, cores=1, memory="1g", prefix="tdlo", state_dir=tmp_path / "c"
     ) as info:
@@ -207,9 +211,9 @@ def test_loopback_cluster_runs_barrier_stage(tmp_path: Path) -> None:
     assert {r["local_ip"] for r in rows} == {"127.0.0.1"}
 
 
-@requires_java
-@requires_netns
 def test_down_without_state_removes_stale_network(tmp_path: Path) -> None:
+    require_java()
+    require_netns()
     prefix = "tdst"
     # Leftovers of a "crashed" run: a namespace and a bridge with the prefix, no state anywhere.
     subprocess.run(["ip", "netns", "add", f"{prefix}-w1"], check=True)
