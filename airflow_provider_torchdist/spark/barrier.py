@@ -78,6 +78,7 @@ def barrier_task(spec: JobSpec, channel_address: tuple[str, int], _: Iterator[in
             channel_address=channel_address,
             host=host,
             master=master,
+            task_cpus=ctx.cpus(),
         )
     except Exception as exc:
         failures = [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]

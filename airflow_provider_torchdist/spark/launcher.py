@@ -21,7 +21,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.network import interface_for_address
 from airflow_provider_torchdist.spark.outcome import RankFailure
-from airflow_provider_torchdist.spark.rank import run_rank
+from airflow_provider_torchdist.spark.rank import rank_thread_count, run_rank
 
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -68,15 +68,21 @@ def launch_config(
     )
 
 
-def rank_environment(spec: JobSpec, host: str, nproc: int) -> dict[str, str]:
-    """What every rank's environment gets on top of torchrun's, unless the cluster set it already."""
+def rank_environment(spec: JobSpec, host: str, nproc: int, task_cpus: int | None = None) -> dict[str, str]:
+    """What every rank's environment gets on top of torchrun's, unless the cluster set it already.
+
+    ``task_cpus``: the barrier task's CPUs in distributed mode (None in local mode).
+    """
     defaults = {"PYTHONUNBUFFERED": "1"}
-    if nproc > 1:
-        defaults["OMP_NUM_THREADS"] = "1"  # what the torchrun command does for several local ranks
     ifname = interface_for_address(host)
     if ifname:
         defaults["GLOO_SOCKET_IFNAME"] = defaults["NCCL_SOCKET_IFNAME"] = ifname
     env = {k: v for k, v in defaults.items() if k not in os.environ}
+    threads = rank_thread_count(
+        nproc, environ=os.environ, task_cpus=task_cpus, cpus_allowed=len(os.sched_getaffinity(0))
+    )
+    if threads:
+        env["OMP_NUM_THREADS"] = threads
     if spec.socket_ifname:  # an explicit choice beats whatever the cluster set
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = spec.socket_ifname
     env["TORCHDIST_RUN_ID"] = spec.run_id
@@ -112,10 +118,12 @@ def launch_node(
     channel_address: tuple[str, int],
     host: str,
     master: tuple[str, int] | None = None,
+    task_cpus: int | None = None,
 ) -> list[RankFailure]:
     """Run this node's ranks to the end; return their failures (empty when all succeeded).
 
-    ``master`` is node 0's rendezvous address in distributed mode, None in local mode.
+    ``master`` is node 0's rendezvous address in distributed mode, None in local mode;
+    ``task_cpus`` the barrier task's ``spark.task.cpus`` (the ranks share them).
     """
     nproc = spec.num_processes if master is None else spec.nproc_per_node
     if spec.use_gpu and master is None:
@@ -131,7 +139,7 @@ def launch_node(
                     f"torch sees {torch.cuda.device_count()}. Lower num_processes or run with use_gpu=False.",
                 )
             ]
-    os.environ.update(rank_environment(spec, host, nproc))
+    os.environ.update(rank_environment(spec, host, nproc, task_cpus))
     # With the rendezvous store shared with the ranks, a restarted group reads the dead group's
     # gloo addresses from it and cannot connect; a fresh store per round avoids that.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

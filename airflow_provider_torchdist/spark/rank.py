@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 import cloudpickle
@@ -42,6 +43,57 @@ def die_with_parent() -> None:
         return
     if os.getppid() == 1:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def rank_thread_count(
+    nproc: int, *, environ: Mapping[str, str], task_cpus: int | None, cpus_allowed: int
+) -> str | None:
+    """The ``OMP_NUM_THREADS`` to give each of a node's ``nproc`` ranks; None keeps what they inherit.
+
+    What the ``torchrun`` command would give them, fitted to the CPUs this node has:
+
+    - a value already in the environment that the user set (the Airflow worker's or ``env_vars``
+      in local mode, ``spark.executorEnv.OMP_NUM_THREADS`` on executors) is kept;
+    - Spark gives its Python workers ``OMP_NUM_THREADS=spark.task.cpus`` of its own accord: that is
+      the whole task's share, which its ranks split (``task_cpus`` is the barrier task's CPU count);
+    - unset with several ranks: 1, as torchrun sets; unset with one rank: torch's own default.
+
+    A derived count never exceeds the CPUs this process may run on (``cpus_allowed``, its CPU
+    affinity, which executors started under a cpuset or ``taskset`` inherit) split between the ranks.
+    Example: Spark's ``OMP_NUM_THREADS=8`` for an 8-CPU task running 4 ranks gives ``"2"`` each.
+    """
+    preset = environ.get("OMP_NUM_THREADS")
+    if task_cpus is not None and preset == str(task_cpus):
+        share = min(task_cpus, cpus_allowed)  # Spark's own value: the task's CPUs, split below
+    elif preset:
+        return None  # the user's choice
+    elif nproc > 1:
+        return "1"
+    else:
+        return None
+    return str(max(1, share // nproc))
+
+
+def apply_thread_count(environ: Mapping[str, str] | None = None) -> int | None:
+    """Size torch's intra-op thread pool in this rank from its ``OMP_NUM_THREADS``.
+
+    torch reads ``OMP_NUM_THREADS`` once per process. A rank forked from the agent inherits the
+    agent's pool, sized when the agent imported torch, before the launcher set the ranks' value:
+    without this, two ranks on two cores each ran two threads and trained at a third of the speed.
+    Returns the count applied, None when the variable is unset or not a positive integer.
+    """
+    value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "")
+    try:
+        count = int(value)
+    except ValueError:
+        return None
+    if count < 1:
+        return None
+    import torch  # already imported by the agent this rank forked from
+
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+    return count
 
 
 class OutputCapture:
@@ -162,6 +214,7 @@ def call_entry(spec: JobSpec, entry_path: str) -> Any:
 def run_rank(spec: JobSpec, entry_path: str, channel_address: tuple[str, int], host: str) -> None:
     """The entry point torchrun's agent calls in every rank it forks."""
     die_with_parent()
+    apply_thread_count()
     rank = int(os.environ["RANK"])
     prefix = rank_prefix(rank, host)
     try:

@@ -40,7 +40,17 @@ def train_and_report(scale: float, *, offset: float = 0.0) -> dict:
         "allreduce": total,
         "pid": os.getpid(),
         "tensor": torch.arange(3, dtype=torch.float32) * scale + offset,
+        "torch_threads": _most_torch_threads(),
     }
+
+
+def _most_torch_threads() -> int:
+    """The largest intra-op thread count any rank has (torchrun gives 1 per rank to several ranks)."""
+    import torch.distributed as dist
+
+    threads = torch.tensor([torch.get_num_threads()])
+    dist.all_reduce(threads, op=dist.ReduceOp.MAX)
+    return int(threads.item())
 
 
 def fail_on_rank_one() -> int:
@@ -59,6 +69,7 @@ def test_callable_returns_rank_zero_value(local_mode: bool, capfd: pytest.Captur
     assert result["world_size"] == 2
     assert result["allreduce"] == 1.0  # 0 + 1: both ranks really joined one process group
     assert torch.equal(result["tensor"], torch.tensor([1.0, 3.0, 5.0]))
+    assert result["torch_threads"] == 1  # not the agent's pool, sized before OMP_NUM_THREADS was set
     assert [(m["rank"], m["step"], m["loss"]) for m in hook.metrics] == [(0, 1, 0.5)]
     logs = capfd.readouterr()
     text = logs.out + logs.err
@@ -66,6 +77,14 @@ def test_callable_returns_rank_zero_value(local_mode: bool, capfd: pytest.Captur
     assert "[rank 1 @ 127.0.0.1] hello from rank 1 of 2" in text
     assert f"local[{1 if local_mode else 2}]" in text  # the embedded master, sized for the job
     assert "[metrics] rank 0 step 1: loss=0.5" in text
+
+
+def test_two_ranks_in_one_spark_task_split_its_cpus() -> None:
+    # Spark sets OMP_NUM_THREADS=spark.task.cpus (2) for the task; its 2 ranks get 1 thread each.
+    hook = TorchDistributorHook(num_processes=2, local_mode=False, use_gpu=False, nproc_per_node=2)
+    result = hook.run(train_and_report, 1.0)
+    assert (result["world_size"], result["allreduce"]) == (2, 1.0)
+    assert result["torch_threads"] == 1
 
 
 @pytest.mark.parametrize("local_mode", MODES)

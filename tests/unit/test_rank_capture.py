@@ -1,7 +1,8 @@
-"""OutputCapture: everything a rank writes to fds 1 and 2 reaches the driver as separate lines.
+"""What a rank sets up: OutputCapture, and the size of its torch thread pool.
 
-OutputCapture dup2s fds 1 and 2, so it runs in a child Python process; the RunChannel it reports
-to runs here, in the test process.
+OutputCapture sends everything a rank writes to fds 1 and 2 to the driver as separate lines. It
+dup2s fds 1 and 2, so it runs in a child Python process; the RunChannel it reports to runs here,
+in the test process.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from airflow_provider_torchdist.spark.channel import RunChannel
+from airflow_provider_torchdist.spark.rank import apply_thread_count, rank_thread_count
 from tests.unit.conftest import fast_shutdown
 
 TOKEN = "capture-token"
@@ -144,3 +148,56 @@ def test_repeated_identical_lines_are_all_forwarded(tmp_path):
     """
     lines, _ = _run_child(body, tmp_path)
     assert _texts(lines) == ["epoch done: loss=0.5", "epoch done: loss=0.5"]
+
+
+# -- torch threads per rank ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("nproc", "preset", "task_cpus", "cpus_allowed", "expected"),
+    [
+        (2, None, None, 2, "1"),  # local mode, several ranks: torchrun's 1
+        (1, None, None, 8, None),  # one rank: torch's own default
+        (4, "3", None, 8, None),  # the user's value is kept
+        (2, "2", 2, 2, "1"),  # Spark's OMP_NUM_THREADS=spark.task.cpus, split between 2 ranks
+        (4, "8", 8, 8, "2"),
+        (1, "4", 4, 4, "4"),
+        (4, "8", 8, 2, "1"),  # a cpuset of 2 CPUs for 4 ranks: never more than the CPUs allow
+        (2, "8", 8, 4, "2"),
+        (2, "6", 4, 4, None),  # spark.executorEnv.OMP_NUM_THREADS=6: the user's, kept
+    ],
+)
+def test_rank_thread_count(nproc, preset, task_cpus, cpus_allowed, expected):
+    environ = {} if preset is None else {"OMP_NUM_THREADS": preset}
+    assert (
+        rank_thread_count(nproc, environ=environ, task_cpus=task_cpus, cpus_allowed=cpus_allowed) == expected
+    )
+
+
+def test_forked_rank_sizes_torch_threads_from_its_environment():
+    """A rank forked from an agent whose torch pool was sized first gets its own OMP_NUM_THREADS."""
+    child = textwrap.dedent(
+        """
+        import os, torch
+        from airflow_provider_torchdist.spark.rank import apply_thread_count
+
+        torch.set_num_threads(3)  # the agent's pool, sized before the ranks' value was set
+        os.environ["OMP_NUM_THREADS"] = "1"
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # like torchrun's start_method="fork"
+            applied = apply_thread_count()
+            os.write(write_end, f"{applied} {torch.get_num_threads()}".encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print(os.read(read_end, 100).decode(), torch.get_num_threads())
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "1", "3"]  # the rank: applied 1, has 1; the agent keeps 3
+
+
+@pytest.mark.parametrize("value", ["", "0", "two"])
+def test_unusable_omp_num_threads_changes_nothing(value):
+    assert apply_thread_count({"OMP_NUM_THREADS": value}) is None
