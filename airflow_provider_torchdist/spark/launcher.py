@@ -14,8 +14,10 @@ import signal
 import tempfile
 from typing import Any
 
+from torch.distributed import DistStoreError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from airflow_provider_torchdist.spark.jobspec import JobSpec
@@ -110,6 +112,21 @@ def failure_from_process(rank: int, failure: ProcessFailure, host: str) -> RankF
     return record
 
 
+def rendezvous_failure(
+    spec: JobSpec, exc: Exception, host: str, master: tuple[str, int] | None
+) -> RankFailure:
+    """A rendezvous that did not complete in time, said in the terms the user can act on."""
+    where = f"task 0's address {master[0]}:{master[1]}" if master else "the driver"
+    return RankFailure(
+        rank=None,
+        host=host,
+        exc_type="RendezvousTimeout",
+        message=f"the ranks did not all meet within rendezvous_timeout={spec.rendezvous_timeout}s "
+        f"({type(exc).__name__}: {exc}). A node could not reach {where} (firewall, or the wrong "
+        "interface: see socket_ifname) or started too late (raise rendezvous_timeout).",
+    )
+
+
 def launch_node(
     spec: JobSpec,
     *,
@@ -153,7 +170,9 @@ def launch_node(
         return []
     except ChildFailedError as exc:
         return [failure_from_process(rank, f, host) for rank, f in sorted(exc.failures.items())]
-    except Exception as exc:  # rendezvous timeouts and the like: no rank owns these
+    except (DistStoreError, RendezvousTimeoutError) as exc:
+        return [rendezvous_failure(spec, exc, host, master)]
+    except Exception as exc:  # no rank owns these
         return [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]
     finally:
         for sig, handler in saved.items():

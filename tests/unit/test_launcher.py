@@ -182,3 +182,29 @@ def test_distributed_mode_is_static_rendezvous_at_node_0(tmp_path):
     assert config.rdzv_configs["rank"] == 2
     assert config.rdzv_configs["timeout"] == 42
     assert config.local_addr == "10.0.0.3"
+
+
+def test_a_rendezvous_that_cannot_complete_fails_after_the_timeout_saying_so() -> None:
+    """A real torchrun agent for node 0 of 2 whose peer never comes: no hang, a message to act on."""
+    import time
+
+    from airflow_provider_torchdist.spark.launcher import launch_node
+    from airflow_provider_torchdist.spark.network import free_port
+
+    spec = _spec(num_processes=2, rendezvous_timeout=2)
+    started = time.monotonic()
+    failures = launch_node(
+        spec,
+        node_rank=0,
+        entry_path="/nonexistent",  # never reached: the ranks would start only after the rendezvous
+        channel_address=("127.0.0.1", 1),
+        host="127.0.0.1",
+        master=("127.0.0.1", free_port("127.0.0.1")),
+    )
+
+    assert time.monotonic() - started < 30
+    [failure] = failures
+    assert failure.exc_type == "RendezvousTimeout"
+    assert "rendezvous_timeout=2s" in failure.message
+    assert "1/2 clients joined" in failure.message  # torch's own count of who arrived
+    assert "socket_ifname" in failure.message
