@@ -29,7 +29,10 @@ class TrainingFailed(TorchDistributorError):
     def __init__(self, failures: list[RankFailure], error: str | None = None) -> None:
         self.failures = failures
         self.error = error
-        lines = [f.summary() for f in failures] or [error or "training failed"]
+        # A failure no rank owns (Spark lost an executor, say) is the root cause: it goes first.
+        lines = [error] if error else []
+        lines += [f.summary() for f in failures]
+        lines = lines or ["training failed"]
         first = next((f for f in failures if f.traceback), None)
         text = "Distributed training failed: " + "; ".join(lines)
         if first is not None:

@@ -71,6 +71,8 @@ class RunChannel:
         self.agent_failures: list[RankFailure] = []
         self.metrics: list[dict[str, Any]] = []
         self.started_nodes: set[int] = set()
+        #: The host each started barrier task (node) runs on, as it said in its hello.
+        self.node_hosts: dict[int, str | None] = {}
         #: Ranks whose connection ended without a goodbye: (host, when). A rank killed by a signal
         #: cannot say so itself; this is how the driver still knows it died, and died first.
         self.vanished: dict[int, tuple[str | None, float]] = {}
@@ -182,6 +184,7 @@ class RunChannel:
                 elif kind == "node":
                     with self._state_lock:
                         self.started_nodes.add(int(msg["node"]))
+                        self.node_hosts[int(msg["node"])] = host
                 elif kind == "metric":
                     with self._state_lock:
                         self.metrics.append(msg["m"])

@@ -7,12 +7,14 @@ to ``outcome.json`` beside the spec, where the hook reads it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
 from pathlib import Path
 
 from airflow_provider_torchdist.spark.channel import RunChannel
+from airflow_provider_torchdist.spark.executor_loss import ExecutorWatch, lost_executor_message, wait_for_loss
 from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.outcome import Outcome
 
@@ -46,10 +48,14 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
 
     sc = SparkContext.getOrCreate()
     group = f"torchdist-{spec.run_id}"
+
+    def cancel() -> None:
+        # A late report may arrive after the SparkContext stopped: then there is nothing to cancel.
+        with contextlib.suppress(Exception):
+            sc.cancelJobGroup(group)
+
     try:
-        channel = RunChannel(
-            spec.token, sc.getConf().get("spark.driver.host"), staging, lambda: sc.cancelJobGroup(group)
-        )
+        channel = RunChannel(spec.token, sc.getConf().get("spark.driver.host"), staging, cancel)
         with channel:
             channel.say(
                 f"distributed mode: {spec.num_nodes} Spark task(s) x {spec.nproc_per_node} process(es), "
@@ -64,14 +70,20 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
                 target=_say_while_waiting, args=(channel, spec.num_nodes, done), daemon=True
             ).start()
             error = None
+            # Cancels the stage the moment Spark loses an executor running a node: the ranks on
+            # the other hosts may be blocked in a collective with the lost ones.
+            watch = ExecutorWatch(sc, cancel)
             try:
-                results = stage.mapPartitions(
-                    functools.partial(barrier_task, spec, channel.address)
-                ).collect()
+                with watch:
+                    results = stage.mapPartitions(
+                        functools.partial(barrier_task, spec, channel.address)
+                    ).collect()
             except Exception as exc:
                 results = []
+                error = _lost_executors(watch, channel, spec, exc)
                 # When a rank reported, its failure is the story; Spark's is only the cancellation.
-                error = None if channel.failures else _first_line(exc)
+                if error is None and not channel.failures:
+                    error = _first_line(exc)
             finally:
                 done.set()
         failures = channel.failures
@@ -96,6 +108,24 @@ def _say_while_waiting(channel: RunChannel, needed: int, done: threading.Event, 
             f"waiting for {waiting} of {needed} barrier task(s) to start: the stage needs {needed} free "
             "task slots at once, and other work holds some of them"
         )
+
+
+def _lost_executors(watch: ExecutorWatch, channel: RunChannel, spec: JobSpec, exc: Exception) -> str | None:
+    """Say so when the stage failed because Spark lost an executor running one of the nodes."""
+    try:
+        watch.poll()
+        # A node whose agent was signalled (its Python daemon went down with the executor) or a
+        # Spark error naming the loss: Spark's status store may lag the failure a moment.
+        signalled = any(f.exc_type == "SignalException" for f in channel.agent_failures)
+        if not watch.lost and (signalled or "ExecutorLost" in str(exc)):
+            wait_for_loss(watch, 1.5)
+    except Exception:  # py4j already down: no verdict from Spark
+        return None
+    if not watch.lost:
+        return None
+    message = lost_executor_message(list(watch.lost.values()), channel.node_hosts, spec.nproc_per_node)
+    channel.say(message)
+    return message
 
 
 def _hosts(results: list[str]) -> list[str]:

@@ -1,0 +1,178 @@
+"""Worker loss: a Spark Worker (its JVM and its executor's JVM) is SIGKILLed in the middle of training.
+
+The run must end within a bounded time with an error that says a node was lost and where, and the
+surviving worker must be left with nothing of the run: no executor, Python worker, agent or rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from airflow_provider_torchdist import TorchDistributorHook
+from airflow_provider_torchdist.errors import SparkSubmitFailed, TrainingFailed
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import spark_cluster  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+PREFIX = "tdwl"
+SUBNET = "10.231.91"
+DRIVER_HOST = f"{SUBNET}.1"
+#: How long after the kill the run may take to fail (the issue's bound).
+FAIL_WITHIN_S = 60
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[spark_cluster.ClusterInfo]:
+    """Master + 2 one-core workers, each in its own network namespace (its own "host")."""
+    if os.geteuid() != 0:
+        pytest.fail("the worker-loss test needs root to create network namespaces (CI runs as root)")
+    info = spark_cluster.start_cluster(
+        workers=2, cores=1, memory="1g", netns=True, prefix=PREFIX, subnet=SUBNET
+    )
+    try:
+        yield info
+    finally:
+        spark_cluster.stop_cluster(info)
+    assert not spark_cluster.leftover_network(PREFIX)
+
+
+def train_until_stopped(marker_dir: str, seconds: float) -> int:
+    """Allreduce every 50 ms for ``seconds``; each rank first records its PID and host."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    info = {"pid": os.getpid(), "host": os.environ.get("MASTER_ADDR"), "hostname": socket.gethostname()}
+    Path(marker_dir, f"rank{rank}.json").write_text(json.dumps(info))
+    deadline = time.monotonic() + seconds
+    steps = 0
+    while time.monotonic() < deadline:
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        steps += 1
+        time.sleep(0.05)
+    dist.destroy_process_group()
+    return steps
+
+
+def _ancestors(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).parents()
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _cmd(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _run_tree(rank_pid: int, worker_pids: set[int]) -> dict[str, int]:
+    """The processes between a rank and its Spark Worker: agent (Python worker), daemon, executor, Worker."""
+    chain = _ancestors(rank_pid)
+    found: dict[str, int] = {"rank": rank_pid}
+    for proc in chain:
+        cmd = _cmd(proc)
+        if proc.pid in worker_pids:
+            found["worker"] = proc.pid
+            break
+        if "CoarseGrainedExecutorBackend" in cmd:
+            found["executor"] = proc.pid
+        elif "agent" not in found:
+            found["agent"] = proc.pid  # the Python worker (forked from the daemon) running torchrun's agent
+        else:
+            found["daemon"] = proc.pid  # pyspark.daemon
+    assert {"agent", "executor", "worker"} <= set(found), f"unexpected tree above rank {rank_pid}: {found}"
+    return found
+
+
+def test_worker_killed_mid_training_fails_the_run_clearly_and_leaves_nothing(
+    cluster: spark_cluster.ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_leftovers: None
+) -> None:
+    conn = {"conn_type": "spark", "host": f"spark://{cluster.master_host}", "port": cluster.master_port}
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_WORKER_LOSS", json.dumps(conn))
+    hook = TorchDistributorHook(
+        num_processes=2,
+        conn_id="spark_worker_loss",
+        conf={
+            "spark.driver.host": DRIVER_HOST,
+            "spark.driver.bindAddress": DRIVER_HOST,
+            "spark.executor.memory": "512m",
+            "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+        },
+        env_vars={"SPARK_LOCAL_IP": DRIVER_HOST},
+    )
+    errors: list[BaseException] = []
+    result: list[object] = []
+
+    def run() -> None:
+        try:
+            result.append(hook.run(train_until_stopped, str(tmp_path), 240.0))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            errors.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"rank{r}.json").exists() for r in (0, 1)):
+        assert runner.is_alive() and time.monotonic() < deadline, f"ranks never started: {errors}"
+        time.sleep(0.2)
+    time.sleep(1.0)  # well into training: a few dozen allreduces done
+    ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    worker_pids = {w.pid for w in cluster.workers}
+    trees = {r: _run_tree(ranks[r]["pid"], worker_pids) for r in (0, 1)}
+    assert trees[0]["worker"] != trees[1]["worker"], trees  # one rank per worker
+    lost = next(w for w in cluster.workers if w.pid == trees[1]["worker"])
+    survivor_pids = {k: v for k, v in trees[0].items() if k != "worker"}
+
+    # The host running rank 1 goes away: its Worker JVM and its executor JVM, at once.
+    for pid in (trees[1]["worker"], trees[1]["executor"]):
+        os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    runner.join(FAIL_WITHIN_S)
+    took = time.monotonic() - killed_at
+    if runner.is_alive():
+        hook.on_kill()
+        runner.join(30)
+        pytest.fail(f"the run was still going {FAIL_WITHIN_S}s after the worker died")
+
+    assert not result, f"a run that lost a worker must not succeed: {result}"
+    assert len(errors) == 1 and isinstance(errors[0], TrainingFailed | SparkSubmitFailed), errors
+    message = str(errors[0])
+    print(f"failed {took:.1f}s after the kill: {message}")
+    assert "lost" in message.lower(), message  # says what happened ...
+    assert lost.host in message, message  # ... and where
+    assert took < FAIL_WITHIN_S
+
+    # Nothing of the run is left on the surviving worker: rank, agent, Python daemon, executor.
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in survivor_pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {name: pid for name, pid in survivor_pids.items() if _alive(pid)}
+    assert not left, f"left running on the surviving worker: {left}"
+    assert _alive(trees[0]["worker"])  # the surviving Worker itself is untouched
