@@ -28,8 +28,11 @@ from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE, PAYLOAD_FILE, 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SPARK_ZIP = "torchdist_spark.zip"
 DRIVER_SCRIPT = "torchdist_driver.py"
+# exit_now: the driver leaves without the interpreter's teardown (0.4 s with torch loaded).
 _DRIVER_SOURCE = (
-    "import sys\nfrom airflow_provider_torchdist.spark.driver import main\nsys.exit(main(sys.argv))\n"
+    "import sys\n"
+    "from airflow_provider_torchdist.spark.driver import exit_now, main\n"
+    "exit_now(main(sys.argv))\n"
 )
 
 

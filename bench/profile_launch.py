@@ -78,15 +78,15 @@ DIST_PHASES = [
     ),
     ("task_torch", "task: import torch (launcher) before the rendezvous", "task_start", "launcher_imported"),
     (
-        "allgather",
-        "BarrierTaskContext.allGather (Spark polls once a second)",
+        "rendezvous",
+        "task 0's rendezvous endpoint via the driver (was allGather, which polls once a second)",
         "launcher_imported",
-        "allgather_end",
+        "agent_start",
     ),
     (
         "agent_to_rank",
         "torchrun agent: static rendezvous, fork ranks, rank set-up",
-        "allgather_end",
+        "agent_start",
         "rank_start",
     ),
     (
@@ -254,9 +254,9 @@ def phases(run: dict[str, Any], spec: list[tuple[str, str, str, str]]) -> dict[s
         out[key] = round(b - a, 3) if a is not None and b is not None else None
     out["total"] = round(points["done"], 3)
     out["find_spark_home"] = round(points["find_spark_home_s"], 3)
-    if "allgather_start" in points:
-        # what the rendezvous itself costs once the last task has arrived
-        out["allgather_wait_after_last"] = round(points["allgather_end"] - points["allgather_start"], 3)
+    if "rdzv_wait_start" in points:
+        # how long the other tasks waited for task 0's endpoint once they asked
+        out["rendezvous_wait"] = round(points["rdzv_wait_end"] - points["rdzv_wait_start"], 3)
     out["left_in_session"] = len(run.get("left_in_session", []))
     out["stop_process_group"] = round(run["stop_process_group_end"] - run["stop_process_group_start"], 3)
     return out

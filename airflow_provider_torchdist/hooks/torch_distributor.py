@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
+import shutil
 import signal
 import sys
 import sysconfig
@@ -18,6 +20,15 @@ from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.providers.common.compat.sdk import AirflowException, AirflowNotFoundException, mask_secret
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
+from airflow_provider_torchdist.jvm import (
+    DriverJvmStart,
+    cache_root,
+    file_fingerprint,
+    java_binary,
+    java_fingerprint,
+    plan_driver_jvm_start,
+    private_cache_dir,
+)
 from airflow_provider_torchdist.spark.checkpoints import CHECKPOINT_ENV
 from airflow_provider_torchdist.spark.outcome import Outcome
 from airflow_provider_torchdist.staging import StagedRun, stage_run
@@ -92,6 +103,9 @@ class TorchDistributorHook(SparkSubmitHook):
         ``save_checkpoint`` / ``load_latest_checkpoint``); created if it is a local path.
     :param allow_unencrypted: run even when ``spark.ssl.enabled=true``, accepting that torch's own
         traffic (gloo/NCCL, the rendezvous store) and the run channel are not encrypted.
+    :param fast_jvm_start: start the driver JVM with a per-user class-data archive of Spark's
+        classes (written by the first run, kept under ``~/.cache/airflow-provider-torchdist``) and
+        with the C1 compiler only; about 2 to 3 s less per run. ``False``: Spark's own JVM defaults.
     :param spark_submit_kwargs: any other :class:`SparkSubmitHook` argument (``executor_memory``,
         ``driver_memory``, ``executor_cores``, ``env_vars``, ``name``, ...).
     """
@@ -126,6 +140,7 @@ class TorchDistributorHook(SparkSubmitHook):
         staging_dir: str | None = None,
         allow_unencrypted: bool = False,
         checkpoint_dir: str | None = None,
+        fast_jvm_start: bool = True,
         **spark_submit_kwargs: Any,
     ) -> None:
         self.num_processes, self.nproc_per_node, self.local_mode = check_topology(
@@ -142,6 +157,7 @@ class TorchDistributorHook(SparkSubmitHook):
             self.rank_env[CHECKPOINT_ENV] = str(checkpoint_dir)
         self.staging_dir = staging_dir
         self.allow_unencrypted = check_bool(allow_unencrypted, "allow_unencrypted")
+        self.fast_jvm_start = check_bool(fast_jvm_start, "fast_jvm_start")
         for name, value in {
             **(conf or {}),
             **(rank_env or {}),
@@ -172,6 +188,8 @@ class TorchDistributorHook(SparkSubmitHook):
             )
         if not (self._is_yarn or self._is_kubernetes):  # there env_vars become the remote driver's
             self._env_vars = {**self._default_env(), **(self._env_vars or {})}
+        #: spark-submit's environment as configured; each run adds its launch settings to a copy.
+        self._configured_env = self._env_vars
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -247,6 +265,68 @@ class TorchDistributorHook(SparkSubmitHook):
         if self.embedded:
             env["SPARK_LOCAL_IP"] = EMBEDDED_HOST
         return env
+
+    def _installed_spark_home(self, environ: dict[str, str]) -> str | None:
+        """The installed pyspark's folder, when the spark-submit this run uses is pyspark's own.
+
+        pip's ``spark-submit`` finds its Spark home with ``find_spark_home.py``, a Python start of
+        its own (about 0.9 s of each launch); with ``SPARK_HOME`` set it skips that. A connection
+        with its own ``spark_binary``, or an environment with ``SPARK_HOME``, is left alone.
+        """
+        if environ.get("SPARK_HOME"):
+            return None
+        found = shutil.which(self._connection["spark_binary"] or "", path=environ.get("PATH"))
+        spec = importlib.util.find_spec("pyspark")
+        if not found or spec is None or not spec.submodule_search_locations:
+            return None
+        home = os.path.realpath(list(spec.submodule_search_locations)[0])
+        ours = {
+            os.path.realpath(os.path.join(sysconfig.get_path("scripts"), "spark-submit")),
+            os.path.join(home, "bin", "spark-submit"),
+        }
+        if os.path.realpath(found) in ours and os.path.isdir(os.path.join(home, "jars")):
+            return home
+        return None
+
+    def _launch_env(self) -> DriverJvmStart | None:
+        """Set this run's spark-submit environment: ``SPARK_HOME`` and the driver JVM's start options.
+
+        Returns the JVM plan, whose ``finish()`` installs a first run's class-data archive. Nothing
+        changes on YARN or Kubernetes, where ``env_vars`` go to the remote driver.
+        """
+        if self._is_yarn or self._is_kubernetes:
+            return None
+        env = dict(self._configured_env or {})
+        full = {**os.environ, **env}
+        spark_home = self._installed_spark_home(full)
+        if spark_home:
+            env["SPARK_HOME"] = full["SPARK_HOME"] = spark_home
+        start = None
+        if self.fast_jvm_start:
+            user_options = " ".join(
+                filter(
+                    None,
+                    [
+                        full.get("JAVA_TOOL_OPTIONS"),
+                        full.get("SPARK_SUBMIT_OPTS"),
+                        self._conf.get("spark.driver.defaultJavaOptions"),
+                        self._conf.get("spark.driver.extraJavaOptions"),
+                    ],
+                )
+            )
+            java = java_binary(full)
+            spark = full.get("SPARK_HOME")
+            key_parts = [
+                java_fingerprint(java),
+                file_fingerprint(os.path.join(spark, "jars")) if spark else self._connection["spark_binary"],
+                "local" if self.local_mode else "distributed",
+                user_options,
+                str(self._driver_memory),
+            ]
+            start = plan_driver_jvm_start(private_cache_dir(cache_root(full)), key_parts, user_options)
+            env["SPARK_SUBMIT_OPTS"] = start.spark_submit_opts(full.get("SPARK_SUBMIT_OPTS"))
+        self._env_vars = env
+        return start
 
     # -- running ------------------------------------------------------------------------------
 
@@ -371,11 +451,15 @@ class TorchDistributorHook(SparkSubmitHook):
         self._py_files = staged.py_files
         self._application_args = [str(staged.spec_path)]
         submit_error: AirflowException | None = None
+        jvm_start = self._launch_env()
         try:
             # A session of its own, so a kill reaches the driver and every local rank too.
             self.submit(application=str(staged.driver_path), start_new_session=True)
         except AirflowException as exc:
             submit_error = exc
+        finally:
+            if jvm_start is not None:
+                jvm_start.finish()
         outcome = Outcome.read(staged.dir)
         self.metrics = outcome.metrics if outcome else []
         if outcome is None:

@@ -46,13 +46,14 @@ def gpu_environment(spec: JobSpec, task_gpus: list[str] | None) -> dict[str, str
 def barrier_task(spec: JobSpec, channel_address: tuple[str, int], _: Iterator[int]) -> Iterator[str]:
     """Rendezvous with the other tasks, then run this node's ranks with torchrun's agent.
 
-    Task 0's address is the rendezvous endpoint; one ``allGather`` tells every task its host and
-    a port that was free there. A failure goes to the driver over the run channel, so the driver
-    can cancel the whole stage at once instead of waiting for collectives to time out.
+    Task 0's address is the rendezvous endpoint: task 0 reports its host and a port that was free
+    there to the driver over the run channel, and the other tasks get it from the driver the moment
+    it arrives (Spark's ``allGather`` would do the same but polls once a second). A failure goes to
+    the driver over the same channel, so the driver can cancel the whole stage at once instead of
+    waiting for collectives to time out.
     """
     from pyspark import BarrierTaskContext, SparkFiles
 
-    from airflow_provider_torchdist.spark.launcher import launch_node
     from airflow_provider_torchdist.spark.network import free_port
     from airflow_provider_torchdist.spark.rank import die_with_parent
 
@@ -68,9 +69,13 @@ def barrier_task(spec: JobSpec, channel_address: tuple[str, int], _: Iterator[in
     try:
         gpus = ctx.resources().get("gpu")
         os.environ.update(gpu_environment(spec, list(gpus.addresses) if gpus else None))
-        port = free_port(host) if node == 0 else 0
-        peers = [json.loads(p) for p in ctx.allGather(json.dumps({"host": host, "port": port}))]
-        master = (peers[0]["host"], peers[0]["port"])
+        if node == 0:  # before importing torch, so the other tasks need not wait for that
+            master = (host, free_port(host))
+            client.announce_master(*master)
+        from airflow_provider_torchdist.spark.launcher import launch_node  # imports torch
+
+        if node != 0:
+            master = client.wait_for_master(spec.rendezvous_timeout)
         failures = launch_node(
             spec,
             node_rank=node,

@@ -9,6 +9,12 @@ Messages:
 - ``{"k": "line", "s": "out"|"err", "l": text}``: one line a rank printed, forwarded to the task log;
 - ``{"k": "error", ...}``: the exception a rank raised (type, message, traceback);
 - ``{"k": "node", "node": n}``: a barrier task started (so the stage is no longer waiting for slots);
+- ``{"k": "master", "host": h, "port": p}``: barrier task 0's rendezvous endpoint;
+- ``{"k": "master?", "timeout": s}``: another barrier task asks for it; the driver answers with one
+  line, ``{"host": h, "port": p}`` or ``{"error": why}``, as soon as it knows (Spark's own
+  ``allGather`` polls once a second, this costs a round trip). A stage attempt runs every node
+  once, so the n-th ``node`` message of a node belongs to the n-th attempt (generation): a retried
+  stage never gets the endpoint of an attempt before it;
 - ``{"k": "failures", "failures": [...]}``: an agent's verdict that its node failed;
 - ``{"k": "metric", "m": {...}}``: a ``report()`` from training code, logged and kept in order;
 - ``{"k": "output", "n": size}`` + ``size`` bytes: rank 0's pickled return value;
@@ -78,6 +84,11 @@ class RunChannel:
         self.vanished: dict[int, tuple[str | None, float]] = {}
         self._first_problem: dict[int, float] = {}
         self.rejected = 0
+        #: Task 0's rendezvous endpoint per generation (stage attempt); waiters are woken when one arrives.
+        self._masters: dict[int, tuple[str, int]] = {}
+        self._node_starts: dict[int, int] = {}
+        self._masters_changed = threading.Condition(self._state_lock)
+        self._closed = False
         channel = self
 
         class _Handler(socketserver.StreamRequestHandler):
@@ -89,8 +100,10 @@ class RunChannel:
             allow_reuse_address = True
 
         self._server = _Server((bind_host, 0), _Handler)
+        # serve_forever polls for shutdown; its 0.5 s default would be a 0.25 s wait on average at
+        # close, at the end of every run.
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="torchdist-channel", daemon=True
+            target=self._server.serve_forever, args=(0.02,), name="torchdist-channel", daemon=True
         )
 
     @property
@@ -106,8 +119,33 @@ class RunChannel:
         self.close()
 
     def close(self) -> None:
+        with self._masters_changed:
+            self._closed = True
+            self._masters_changed.notify_all()
         self._server.shutdown()
         self._server.server_close()
+
+    def wait_for_master(self, generation: int, timeout: float) -> dict[str, Any]:
+        """Task 0's endpoint for this generation (stage attempt), once reported: ``{"host", "port"}``.
+
+        ``{"error": why}`` instead when a node failed first, the channel closed, or ``timeout`` passed.
+        """
+        deadline = time.monotonic() + timeout
+        with self._masters_changed:
+            while generation not in self._masters:
+                left = deadline - time.monotonic()
+                if self.agent_failures or self._closed or left <= 0:
+                    why = (
+                        "another barrier task failed before the rendezvous"
+                        if self.agent_failures
+                        else "the driver is shutting down"
+                        if self._closed
+                        else f"barrier task 0 did not report its rendezvous endpoint within {timeout:.0f}s"
+                    )
+                    return {"error": why}
+                self._masters_changed.wait(left)
+            host, port = self._masters[generation]
+        return {"host": host, "port": port}
 
     @property
     def failures(self) -> list[RankFailure]:
@@ -166,6 +204,7 @@ class RunChannel:
         rank, host = hello.get("rank"), hello.get("host")
         prefix = rank_prefix(rank, host)
         clean = False
+        generation = 0
         try:
             for raw in rfile:
                 msg = json.loads(raw)
@@ -177,14 +216,24 @@ class RunChannel:
                         self.rank_errors[rank] = RankFailure(rank=rank, host=host, **msg["e"])
                         self._first_problem.setdefault(rank, time.monotonic())
                 elif kind == "failures":
-                    with self._state_lock:
+                    with self._masters_changed:
                         self.agent_failures.extend(RankFailure(**f) for f in msg["failures"])
+                        self._masters_changed.notify_all()
                     if self._on_failure:
                         self._on_failure()
                 elif kind == "node":
                     with self._state_lock:
+                        generation = self._node_starts.get(int(msg["node"]), 0)
+                        self._node_starts[int(msg["node"])] = generation + 1
                         self.started_nodes.add(int(msg["node"]))
                         self.node_hosts[int(msg["node"])] = host
+                elif kind == "master":
+                    with self._masters_changed:
+                        self._masters[generation] = (str(msg["host"]), int(msg["port"]))
+                        self._masters_changed.notify_all()
+                elif kind == "master?":
+                    answer = self.wait_for_master(generation, float(msg.get("timeout", 300)))
+                    conn.sendall(json.dumps(answer).encode() + b"\n")
                 elif kind == "metric":
                     with self._state_lock:
                         self.metrics.append(msg["m"])
@@ -263,6 +312,41 @@ class ChannelClient:
         from dataclasses import asdict
 
         return self.send({"k": "failures", "failures": [asdict(f) for f in failures]})
+
+    def announce_master(self, host: str, port: int) -> bool:
+        """Barrier task 0 (after its ``node`` message): the rendezvous endpoint for the other tasks."""
+        return self.send({"k": "master", "host": host, "port": port})
+
+    def wait_for_master(self, timeout: float) -> tuple[str, int]:
+        """Another barrier task (after its ``node`` message): ask the driver for task 0's endpoint.
+
+        Waits until the driver has it. Raises ``RuntimeError`` when the driver cannot tell (a node
+        failed first, the wait timed out).
+        """
+        if not self.send({"k": "master?", "timeout": timeout}):
+            raise RuntimeError(f"the run channel to the driver broke: {self.broken}")
+        reply = b""
+        with self._lock:
+            self._sock.settimeout(timeout + 30)
+            try:
+                while not reply.endswith(b"\n"):
+                    chunk = self._sock.recv(4096)
+                    if not chunk:
+                        break
+                    reply += chunk
+            except OSError as exc:
+                raise RuntimeError(f"no rendezvous endpoint from the driver: {exc!r}") from None
+            finally:
+                self._sock.settimeout(None)
+        try:
+            answer = json.loads(reply)
+        except ValueError:
+            raise RuntimeError(
+                "the driver closed the run channel before it sent the rendezvous endpoint"
+            ) from None
+        if "error" in answer:
+            raise RuntimeError(f"no rendezvous endpoint: {answer['error']}")
+        return str(answer["host"]), int(answer["port"])
 
     def output(self, data: bytes) -> bool:
         header = json.dumps({"k": "output", "n": len(data)}).encode() + b"\n"

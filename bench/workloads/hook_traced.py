@@ -7,7 +7,8 @@ Nothing in the package is edited. Instead, in this process only:
 - the driver script the hook stages (``staging._DRIVER_SOURCE``) is swapped for one that appends
   timestamped events to FILE: driver start, imports done, SparkContext up/stop, channel close, and,
   inside each barrier task (the wrapper is pickled by value to the Python worker), task start,
-  torch import, ``allGather``, the torchrun agent's start and end;
+  torch import (an import hook on the launcher module), the rendezvous endpoint's exchange through
+  the driver, the torchrun agent's start and end;
 - every line spark-submit prints is time-stamped on arrival (the hook logs each one);
 - a sampler thread records when each process of the tree appears and disappears (psutil).
 
@@ -95,10 +96,7 @@ def _close(self):
 _channel.RunChannel.close = _close
 
 
-def _wrap_launcher(node):
-    import airflow_provider_torchdist.spark.launcher as launcher
-
-    _ev("launcher_imported", node=node)
+def _wrap_launch_node(launcher, node):
     orig = launcher.launch_node
 
     def launch_node(*a, **kw):
@@ -111,6 +109,36 @@ def _wrap_launcher(node):
     launcher.launch_node = launch_node
 
 
+def _wrap_launcher(node):
+    # Time the launcher's (torch's) import where the package does it, not earlier.
+    import importlib.abc
+    import importlib.util
+
+    name = "airflow_provider_torchdist.spark.launcher"
+    if name in sys.modules:
+        _ev("launcher_imported", node=node)
+        _wrap_launch_node(sys.modules[name], node)
+        return
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            exec_module = spec.loader.exec_module
+
+            def traced_exec(module):
+                exec_module(module)
+                _ev("launcher_imported", node=node)
+                _wrap_launch_node(module, node)
+
+            spec.loader.exec_module = traced_exec
+            return spec
+
+    sys.meta_path.insert(0, _Finder())
+
+
 _orig_task = _barrier.barrier_task
 
 
@@ -119,16 +147,16 @@ def _traced_task(spec, channel_address, it):
 
     node = BarrierTaskContext.get().partitionId()
     _ev("task_start", node=node)
-    orig_gather = BarrierTaskContext.allGather
+    orig_wait = _channel.ChannelClient.wait_for_master
 
-    def all_gather(self, message=""):
-        _ev("allgather_start", node=node)
+    def wait_for_master(self, *a, **kw):
+        _ev("rdzv_wait_start", node=node)
         try:
-            return orig_gather(self, message)
+            return orig_wait(self, *a, **kw)
         finally:
-            _ev("allgather_end", node=node)
+            _ev("rdzv_wait_end", node=node)
 
-    BarrierTaskContext.allGather = all_gather
+    _channel.ChannelClient.wait_for_master = wait_for_master
     _wrap_launcher(node)
     yield from _orig_task(spec, channel_address, it)
     _ev("task_end", node=node)
@@ -147,7 +175,7 @@ def _run_local(spec, staging):
 _driver.run_local = _run_local
 rc = _driver.main(sys.argv)
 _ev("driver_main_done")
-sys.exit(rc)
+_driver.exit_now(rc)
 """
 
 

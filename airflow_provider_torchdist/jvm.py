@@ -1,0 +1,223 @@
+"""A faster start for the Spark driver JVM: a per-user class-data archive and C1-only JIT.
+
+In client mode the driver is the ``SparkSubmit`` JVM that ``spark-submit`` starts on the Airflow
+worker. It loads and verifies about 10,000 classes from Spark's jars before the Python driver
+runs, and again while the ``SparkContext`` starts: 3 to 5 s of CPU on every run. Two JVM options
+cut most of it:
+
+- an AppCDS archive (``-XX:SharedArchiveFile``): the classes come memory-mapped, already parsed
+  and verified. Java 17 cannot create one on the fly (``-XX:+AutoCreateSharedArchive`` is Java
+  19+), so the first run writes one at exit (``-XX:ArchiveClassesAtExit``) into a temporary file
+  and the hook moves it into a per-user cache once the JVM says it wrote all of it;
+- ``-XX:TieredStopAtLevel=1``: only the quick C1 compiler, no C2 compile threads competing for
+  the CPUs during the start. The driver JVM only schedules here; it does not crunch data.
+
+The options go to ``SPARK_SUBMIT_OPTS``, which the launcher puts on the driver JVM's command line
+before ``spark.driver.defaultJavaOptions`` and ``spark.driver.extraJavaOptions``: the JVM takes
+the last of repeated options, so a user's own settings win and none of them is overwritten.
+
+A cached archive that does not fit (another JDK build, changed jars) is ignored by the JVM with
+``-Xshare:auto``; the only kind it cannot survive, a truncated file, is never installed: the
+archive's size is part of its file name and is checked before use.
+
+Example::
+
+    start = plan_driver_jvm_start(cache_root(os.environ), ["java-17", "spark-4.3", "distributed"], "")
+    env["SPARK_SUBMIT_OPTS"] = start.spark_submit_opts(env.get("SPARK_SUBMIT_OPTS"))
+    ...  # spark-submit runs to its end
+    start.finish()  # a first run's archive goes into the cache
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE_SUBDIR = ("airflow-provider-torchdist", "jvm")
+C1_ONLY = "-XX:TieredStopAtLevel=1"
+#: Use an archive when it fits, ignore it when not: never fail the JVM over it (also overrides an
+#: ``-Xshare:on`` from ``JAVA_TOOL_OPTIONS``). The CDS warnings of a mismatch or of a first run's
+#: dump (hundreds of "Skipping ..." lines) stay out of the task log.
+CDS_SAFE = ("-Xshare:auto", "-Xlog:cds*=off")
+#: What Java 17 logs (tag ``cds+dynamic``) once a dynamic archive is written and closed.
+DUMP_DONE = "Written dynamic archive"
+#: Options that mean the user runs class-data sharing their own way: then we add none of ours.
+_OWN_CDS = re.compile(
+    r"-XX:(SharedArchiveFile|ArchiveClassesAtExit|SharedClassListFile|DumpLoadedClassList)|-Xshare:"
+)
+#: The option parser of Spark's launcher splits on whitespace and quotes, and ``-Xlog`` on ``:``
+#: and ``,``; a cache path with none of those needs no quoting anywhere.
+_SAFE_PATH = re.compile(r"^[A-Za-z0-9._/+@=~-]+$")
+
+
+def cache_root(environ: Mapping[str, str]) -> Path:
+    """Where this user's archives live: ``$XDG_CACHE_HOME`` (default ``~/.cache``)/airflow-provider-torchdist/jvm."""
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base, *CACHE_SUBDIR)
+
+
+def java_binary(environ: Mapping[str, str]) -> str | None:
+    """The ``java`` Spark's ``spark-class`` runs: ``$JAVA_HOME/bin/java``, else the one on PATH."""
+    if environ.get("JAVA_HOME"):
+        return os.path.join(environ["JAVA_HOME"], "bin", "java")
+    return shutil.which("java", path=environ.get("PATH"))
+
+
+def file_fingerprint(path: str | os.PathLike[str] | None) -> str:
+    """``realpath:size:mtime`` of a file or directory (``-`` when missing): changes when it is replaced."""
+    if not path:
+        return "-"
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError:
+        return f"{real}:-"
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def java_fingerprint(java: str | None) -> str:
+    """The JVM's identity: its binary and ``libjvm.so`` (a JDK update in place replaces the latter)."""
+    if not java:
+        return "-"
+    home = Path(os.path.realpath(java)).parent.parent
+    return ";".join(
+        file_fingerprint(p) for p in (java, home / "lib" / "server" / "libjvm.so", home / "release")
+    )
+
+
+def archive_key(parts: Sequence[str]) -> str:
+    """A short stable name for one JVM + Spark + mode + options combination."""
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def manages_own_cds(*option_strings: str | None) -> bool:
+    """True when the user's JVM options already set up (or switch off) class-data sharing."""
+    return any(_OWN_CDS.search(s) for s in option_strings if s)
+
+
+def merge_java_options(ours: Sequence[str], user: str | None) -> str:
+    """Our options first, the user's after them: for a repeated option the JVM takes the last, so theirs win."""
+    parts = [*ours]
+    if user and user.strip():
+        parts.append(user.strip())
+    return " ".join(parts)
+
+
+def find_archive(cache: Path, key: str) -> Path | None:
+    """This key's complete archive, if the cache has one: ``<key>-<size>.jsa`` whose size matches.
+
+    A truncated archive would crash the JVM (it maps the file: SIGBUS), so a file whose size is not
+    the one it was installed with is never handed to it.
+    """
+    try:
+        names = os.listdir(cache)
+    except OSError:
+        return None
+    prefix = f"{key}-"
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(".jsa")):
+            continue
+        size = name[len(prefix) : -len(".jsa")]
+        path = cache / name
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if size.isdigit() and st.st_size == int(size) and st.st_uid == os.geteuid():
+            return path
+    return None
+
+
+def private_cache_dir(cache: Path) -> Path | None:
+    """Create ``cache`` (0700) if needed; None when it is not ours alone or its path needs quoting.
+
+    The JVM maps the archive as code, so a directory another user can write to is not used.
+    """
+    if not _SAFE_PATH.match(str(cache)):
+        return None
+    try:
+        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(cache)
+    except OSError:
+        return None
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        return None
+    return cache
+
+
+@dataclass
+class DriverJvmStart:
+    """The driver JVM options of one run, and (first run) the archive it writes at exit."""
+
+    options: list[str]
+    #: Where this run's JVM writes its archive at exit (None: it uses one, or none at all).
+    dump_path: Path | None = None
+    #: The JVM's ``cds+dynamic`` log of that dump: it says when the archive is complete.
+    dump_log: Path | None = None
+    #: The cache directory and key the dump is installed under.
+    cache: Path | None = None
+    key: str | None = None
+
+    def spark_submit_opts(self, user: str | None) -> str:
+        """``SPARK_SUBMIT_OPTS`` for spark-submit: ours, then the user's own."""
+        return merge_java_options(self.options, user)
+
+    def finish(self) -> Path | None:
+        """After spark-submit ended: install a first run's archive if the JVM wrote all of it.
+
+        Returns the installed archive. Never raises: a cache problem only costs the speed-up.
+        """
+        if self.dump_path is None or self.cache is None or self.key is None:
+            return None
+        installed = None
+        try:
+            log = self.dump_log.read_text(errors="replace") if self.dump_log else ""
+            size = os.stat(self.dump_path).st_size
+            if DUMP_DONE in log and size > 0:
+                installed = self.cache / f"{self.key}-{size}.jsa"
+                os.chmod(self.dump_path, 0o400)
+                os.replace(self.dump_path, installed)  # atomic: a concurrent run sees all or nothing
+        except OSError:
+            installed = None
+        for leftover in (self.dump_path, self.dump_log):
+            with contextlib.suppress(OSError, TypeError):
+                os.unlink(leftover)  # type: ignore[arg-type]
+        return installed
+
+
+def plan_driver_jvm_start(
+    cache: Path | None, key_parts: Sequence[str], user_options: str | None = None
+) -> DriverJvmStart:
+    """The driver JVM options for a run: C1 only, plus the cached archive, or the dump of one.
+
+    ``cache`` None (not usable) or ``user_options`` that manage class-data sharing themselves
+    leave only C1.
+    """
+    options = [C1_ONLY]
+    if cache is None or manages_own_cds(user_options):
+        return DriverJvmStart(options)
+    key = archive_key(key_parts)
+    archive = find_archive(cache, key)
+    if archive is not None:
+        return DriverJvmStart([*CDS_SAFE, f"-XX:SharedArchiveFile={archive}", *options])
+    tag = f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
+    dump, log = cache / f"{tag}.jsa.part", cache / f"{tag}.log"
+    return DriverJvmStart(
+        [
+            *CDS_SAFE,
+            f"-XX:ArchiveClassesAtExit={dump}",
+            f"-Xlog:cds+dynamic=info:file={log}::filecount=0",
+            *options,
+        ],
+        dump_path=dump,
+        dump_log=log,
+        cache=cache,
+        key=key,
+    )

@@ -1,0 +1,196 @@
+"""The driver JVM's start options: C1, the per-user class-data archive, merging with user options,
+and the hook's launch environment (SPARK_HOME, SPARK_SUBMIT_OPTS). No JVM is started."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
+from airflow_provider_torchdist.jvm import (
+    C1_ONLY,
+    DUMP_DONE,
+    archive_key,
+    cache_root,
+    find_archive,
+    java_fingerprint,
+    manages_own_cds,
+    merge_java_options,
+    plan_driver_jvm_start,
+    private_cache_dir,
+)
+
+KEY = ["java-a", "spark-b", "distributed", ""]
+
+
+def test_cache_root_follows_xdg_then_home(tmp_path):
+    assert cache_root({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "airflow-provider-torchdist" / "jvm"
+    assert cache_root({}).parts[-3:] == (".cache", "airflow-provider-torchdist", "jvm")
+
+
+def test_user_options_come_last_so_they_win():
+    assert merge_java_options([C1_ONLY], "-XX:TieredStopAtLevel=4 -Xss4m") == (
+        f"{C1_ONLY} -XX:TieredStopAtLevel=4 -Xss4m"
+    )
+    assert merge_java_options([C1_ONLY], None) == C1_ONLY
+    assert merge_java_options([C1_ONLY], "  ") == C1_ONLY
+
+
+@pytest.mark.parametrize(
+    "options, own",
+    [
+        ("-XX:SharedArchiveFile=/x.jsa", True),
+        ("-Xshare:off", True),
+        ("-Xmx2g -XX:ArchiveClassesAtExit=/y", True),
+        ("-Xmx2g -Dfoo=bar", False),
+        (None, False),
+    ],
+)
+def test_user_cds_options_are_recognised(options, own):
+    assert manages_own_cds(options) is own
+
+
+def test_key_is_stable_and_tells_combinations_apart():
+    assert archive_key(KEY) == archive_key(list(KEY))
+    assert archive_key(KEY) != archive_key([*KEY[:2], "local", ""])
+    assert len(archive_key(KEY)) == 24
+
+
+def test_java_fingerprint_changes_when_the_jvm_is_replaced(tmp_path):
+    home = tmp_path / "jdk"
+    (home / "bin").mkdir(parents=True)
+    (home / "lib" / "server").mkdir(parents=True)
+    java, libjvm = home / "bin" / "java", home / "lib" / "server" / "libjvm.so"
+    java.write_text("j")
+    libjvm.write_text("v1")
+    before = java_fingerprint(str(java))
+    libjvm.write_text("v2 longer")
+    assert java_fingerprint(str(java)) != before
+    assert java_fingerprint(None) == "-"
+
+
+def test_first_run_dumps_then_installs_only_a_complete_archive(tmp_path):
+    start = plan_driver_jvm_start(tmp_path, KEY)
+    assert start.dump_path is not None and start.dump_log is not None
+    assert f"-XX:ArchiveClassesAtExit={start.dump_path}" in start.options
+    assert "-Xshare:auto" in start.options and C1_ONLY in start.options
+    # The JVM wrote the archive and said so at the end of its log.
+    start.dump_path.write_bytes(b"x" * 4096)
+    start.dump_log.write_text(f"[1.2s][info][cds,dynamic] {DUMP_DONE} 0x8 - 0x9 [984 bytes header]\n")
+    installed = start.finish()
+    assert installed == tmp_path / f"{archive_key(KEY)}-4096.jsa"
+    assert installed.read_bytes() == b"x" * 4096
+    assert sorted(p.name for p in tmp_path.iterdir()) == [installed.name]  # no leftovers
+    # The next run uses it.
+    again = plan_driver_jvm_start(tmp_path, KEY)
+    assert again.dump_path is None
+    assert f"-XX:SharedArchiveFile={installed}" in again.options
+    assert again.options.index("-Xshare:auto") < again.options.index(f"-XX:SharedArchiveFile={installed}")
+
+
+def test_a_dump_the_jvm_did_not_finish_is_thrown_away(tmp_path):
+    start = plan_driver_jvm_start(tmp_path, KEY)
+    start.dump_path.write_bytes(b"partial")
+    start.dump_log.write_text("[1.0s][info][cds,dynamic] Copying 8 klasses\n")  # killed mid-dump
+    assert start.finish() is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_that_wrote_nothing_leaves_nothing(tmp_path):
+    start = plan_driver_jvm_start(tmp_path, KEY)
+    assert start.finish() is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_truncated_archive_is_never_used(tmp_path):
+    """A truncated archive crashes the JVM (SIGBUS): the size in its name must match."""
+    archive = tmp_path / f"{archive_key(KEY)}-4096.jsa"
+    archive.write_bytes(b"x" * 100)
+    assert find_archive(tmp_path, archive_key(KEY)) is None
+    start = plan_driver_jvm_start(tmp_path, KEY)
+    assert not any("SharedArchiveFile" in o for o in start.options)
+
+
+def test_user_cds_settings_leave_only_c1(tmp_path):
+    start = plan_driver_jvm_start(tmp_path, KEY, "-Xshare:off")
+    assert start.options == [C1_ONLY]
+    assert start.finish() is None
+
+
+def test_no_usable_cache_leaves_only_c1():
+    assert plan_driver_jvm_start(None, KEY).options == [C1_ONLY]
+
+
+def test_cache_dir_is_private_and_quotable(tmp_path):
+    cache = private_cache_dir(tmp_path / "c" / "jvm")
+    assert cache is not None and (os.stat(cache).st_mode & 0o777) == 0o700
+    os.chmod(cache, 0o777)
+    assert private_cache_dir(cache) is None  # others could plant an archive
+    assert private_cache_dir(tmp_path / "with space") is None
+
+
+# -- the hook's launch environment -----------------------------------------------------------------
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for name in ("SPARK_HOME", "SPARK_SUBMIT_OPTS", "JAVA_TOOL_OPTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path / "cache" / "airflow-provider-torchdist" / "jvm"
+
+
+def _pyspark_home() -> str:
+    import importlib.util
+
+    return os.path.realpath(list(importlib.util.find_spec("pyspark").submodule_search_locations)[0])
+
+
+def test_launch_env_sets_spark_home_and_jvm_options(clean_env):
+    hook = TorchDistributorHook(num_processes=2)
+    start = hook._launch_env()
+    env = hook._env_vars
+    if Path(sysconfig.get_path("scripts"), "spark-submit").exists():
+        assert env["SPARK_HOME"] == _pyspark_home()
+    assert start is not None and env["SPARK_SUBMIT_OPTS"] == " ".join(start.options)
+    assert C1_ONLY in env["SPARK_SUBMIT_OPTS"]
+    assert start.dump_path is not None and start.dump_path.parent == clean_env
+    start.finish()
+    # The configured environment is untouched: the next run starts from it again.
+    assert "SPARK_SUBMIT_OPTS" not in hook._configured_env
+
+
+def test_users_own_spark_submit_opts_are_kept_and_win(clean_env, monkeypatch):
+    monkeypatch.setenv("SPARK_SUBMIT_OPTS", "-Dfrom.env=1")
+    hook = TorchDistributorHook(env_vars={"SPARK_SUBMIT_OPTS": "-XX:TieredStopAtLevel=4"})
+    hook._launch_env()
+    assert hook._env_vars["SPARK_SUBMIT_OPTS"].endswith(" -XX:TieredStopAtLevel=4")
+
+
+def test_users_extra_java_options_are_not_touched(clean_env):
+    hook = TorchDistributorHook(conf={"spark.driver.extraJavaOptions": "-Xshare:off -Dx=1"})
+    start = hook._launch_env()
+    assert hook._conf["spark.driver.extraJavaOptions"] == "-Xshare:off -Dx=1"
+    assert start.options == [C1_ONLY]  # they run CDS their way
+
+
+def test_fast_jvm_start_can_be_switched_off(clean_env):
+    hook = TorchDistributorHook(fast_jvm_start=False)
+    assert hook._launch_env() is None
+    assert "SPARK_SUBMIT_OPTS" not in hook._env_vars
+
+
+def test_spark_home_is_left_alone_when_set_or_for_another_spark_submit(clean_env, monkeypatch, tmp_path):
+    hook = TorchDistributorHook(env_vars={"SPARK_HOME": "/opt/spark"})
+    hook._launch_env()
+    assert hook._env_vars["SPARK_HOME"] == "/opt/spark"
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "spark3-submit").write_text("#!/bin/sh\n")
+    (other / "spark3-submit").chmod(0o755)
+    hook = TorchDistributorHook(spark_binary="spark3-submit", env_vars={"PATH": str(other)})
+    hook._launch_env()
+    assert "SPARK_HOME" not in hook._env_vars
