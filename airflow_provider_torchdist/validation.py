@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
@@ -74,3 +74,27 @@ def check_args(value: Any, field: str, kind: type) -> Any:
     if kind is dict and not all(isinstance(k, str) for k in value):
         raise InvalidTrainingConfig(f"{field} keys must be strings, got {list(value)!r}")
     return list(value) if kind is list else dict(value)
+
+
+def check_deploy_mode(value: Any) -> None:
+    """Only client mode: the driver must run on the Airflow worker, where the hook reads its verdict."""
+    if str(value or "").strip().lower() == "cluster":
+        raise InvalidTrainingConfig(
+            "deploy_mode='cluster' is not supported: the driver reports rank 0's value and each "
+            "rank's failure to the Airflow worker, so it must run there (client mode). Remove "
+            "deploy-mode from the connection or pass deploy_mode='client'."
+        )
+
+
+def check_unencrypted_allowed(conf: Mapping[str, Any] | None, allow_unencrypted: bool) -> None:
+    """Refuse to mix an encrypted Spark cluster with torch's unencrypted traffic unless told to."""
+    if (
+        str((conf or {}).get("spark.ssl.enabled", "false")).strip().lower() == "true"
+        and not allow_unencrypted
+    ):
+        raise InvalidTrainingConfig(
+            "spark.ssl.enabled=true, but torch.distributed traffic (gloo/NCCL collectives, the "
+            "rendezvous store) and this provider's run channel between ranks and driver are not "
+            "encrypted, so training data and gradients would cross the network in the clear. Run on a "
+            "network you trust and pass allow_unencrypted=True to accept this."
+        )

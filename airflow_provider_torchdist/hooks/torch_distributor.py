@@ -29,10 +29,18 @@ from airflow_provider_torchdist.jvm import (
     plan_driver_jvm_start,
     private_cache_dir,
 )
+from airflow_provider_torchdist.preflight import check_local_gpus, check_master_reachable, check_spark_binary
 from airflow_provider_torchdist.spark.checkpoints import CHECKPOINT_ENV
 from airflow_provider_torchdist.spark.outcome import Outcome
 from airflow_provider_torchdist.staging import StagedRun, stage_run
-from airflow_provider_torchdist.validation import check_args, check_bool, check_int, check_topology
+from airflow_provider_torchdist.validation import (
+    check_args,
+    check_bool,
+    check_deploy_mode,
+    check_int,
+    check_topology,
+    check_unencrypted_allowed,
+)
 
 T = TypeVar("T")
 
@@ -180,12 +188,7 @@ class TorchDistributorHook(SparkSubmitHook):
             conn_id=conn_id,
             **spark_submit_kwargs,
         )
-        if self._connection["deploy_mode"] == "cluster":
-            raise InvalidTrainingConfig(
-                "deploy_mode='cluster' is not supported: the driver reports rank 0's value and each "
-                "rank's failure to the Airflow worker, so it must run there (client mode). Remove "
-                "deploy-mode from the connection or pass deploy_mode='client'."
-            )
+        check_deploy_mode(self._connection["deploy_mode"])
         if not (self._is_yarn or self._is_kubernetes):  # there env_vars become the remote driver's
             self._env_vars = {**self._default_env(), **(self._env_vars or {})}
         #: spark-submit's environment as configured; each run adds its launch settings to a copy.
@@ -332,17 +335,21 @@ class TorchDistributorHook(SparkSubmitHook):
 
     def check_transport_security(self) -> None:
         """Refuse to mix an encrypted Spark cluster with torch's unencrypted traffic unless told to."""
-        if str(self._conf.get("spark.ssl.enabled", "false")).lower() == "true" and not self.allow_unencrypted:
-            raise InvalidTrainingConfig(
-                "spark.ssl.enabled=true, but torch.distributed traffic (gloo/NCCL collectives, the "
-                "rendezvous store) and this provider's run channel between ranks and driver are not "
-                "encrypted, so training data and gradients would cross the network in the clear. Run on a "
-                "network you trust and pass allow_unencrypted=True to accept this."
-            )
+        check_unencrypted_allowed(self._conf, self.allow_unencrypted)
+
+    def check_submit_environment(self) -> None:
+        """spark-submit exists where it will run, and a standalone master answers: else fail now,
+        clearly, instead of a ``FileNotFoundError`` or a minute of Spark's retries."""
+        path = {**os.environ, **(self._env_vars or {})}.get("PATH")
+        check_spark_binary(self._connection["spark_binary"] or "spark-submit", path)
+        check_master_reachable(self._connection["master"], self._conn_id)
 
     def check_gpu_conf(self) -> None:
         """``use_gpu`` needs Spark to schedule GPUs to the barrier tasks; say how when it does not."""
-        if not self.use_gpu or self.local_mode:
+        if not self.use_gpu:
+            return
+        if self.local_mode:  # client mode: the ranks run on this machine
+            check_local_gpus(self.num_processes)
             return
         if self._connection["master"].startswith("local"):
             raise InvalidTrainingConfig(
@@ -419,6 +426,7 @@ class TorchDistributorHook(SparkSubmitHook):
         before the staging directory goes: large outputs are streamed on, never loaded whole."""
         self.check_transport_security()
         self.check_gpu_conf()
+        self.check_submit_environment()
         if self.checkpoint_dir and "://" not in self.checkpoint_dir:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
         slot_timeout = self.check_cluster_capacity()

@@ -20,9 +20,11 @@ from airflow_provider_torchdist.spark.checkpoints import CHECKPOINT_ENV
 from airflow_provider_torchdist.validation import (
     check_args,
     check_bool,
+    check_deploy_mode,
     check_int,
     check_topology,
     check_train_object,
+    check_unencrypted_allowed,
     is_template,
 )
 
@@ -168,9 +170,10 @@ class TorchDistributorOperator(BaseOperator):
 
         if ready(self.train_object):
             self.train_object = check_train_object(self.train_object)
-        if ready(self.train_args) and not isinstance(self.train_args, str):
+        # A string that is not a template renders to itself, never to a list or dict.
+        if ready(self.train_args):
             check_args(self.train_args, "args", list)
-        if ready(self.train_kwargs) and not isinstance(self.train_kwargs, str):
+        if ready(self.train_kwargs):
             check_args(self.train_kwargs, "kwargs", dict)
         if all(ready(v) for v in (self.num_processes, self.nproc_per_node, self.local_mode)):
             self.num_processes, self.nproc_per_node, self.local_mode = check_topology(
@@ -180,6 +183,11 @@ class TorchDistributorOperator(BaseOperator):
             self.use_gpu = check_bool(self.use_gpu, "use_gpu")
         if ready(self.max_restarts):
             self.max_restarts = check_int(self.max_restarts, "max_restarts", minimum=0)
+        # What the hook would refuse at the start of the task, refused when the DAG is parsed: only
+        # client deploy mode, and no spark.ssl.enabled without allow_unencrypted.
+        check_deploy_mode(self.spark_submit_kwargs.get("deploy_mode"))
+        if isinstance(self.conf, dict) and not is_template(self.conf.get("spark.ssl.enabled")):
+            check_unencrypted_allowed(self.conf, check_bool(self.allow_unencrypted, "allow_unencrypted"))
         if not at_parse_time:  # a template that rendered to a string is not a list / dict
             check_args(self.train_args, "args", list)
             check_args(self.train_kwargs, "kwargs", dict)

@@ -207,8 +207,11 @@ def test_gpu_on_a_cluster_with_gpu_conf_is_fine(cluster):
     assert "spark.task.cpus" not in hook._conf
 
 
-def test_gpu_in_local_mode_needs_no_spark_gpu_conf(cluster):
-    TorchDistributorHook(use_gpu=True, local_mode=True).check_gpu_conf()
+def test_gpu_in_local_mode_needs_no_spark_gpu_conf(cluster, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # the driver's own GPUs are what count
+    TorchDistributorHook(num_processes=2, use_gpu=True, local_mode=True).check_gpu_conf()
 
 
 def test_gpu_on_the_embedded_local_master_is_refused_with_a_way_out():
