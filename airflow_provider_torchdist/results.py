@@ -19,6 +19,12 @@ Airflow 3 XCom holds JSON only (no pickling; bytes, arrays and tensors are refus
 whatever they receive. It checks the signature before it unpickles anything: XCom can be written
 through Airflow's REST API, and unpickling what someone else wrote there would run their code.
 
+A large output is hashed once on its way: rank 0 hashes its pickle while writing it and the driver
+records that digest beside the file it receives, so the Airflow side signs without reading the file
+again, and moves it into ``output_path`` with a rename when that is on the same filesystem as the
+staging directory. ``load_output`` reads a stored pickle once, hashing as it reads, checks the
+signature, and only then unpickles it from that one in-memory copy.
+
 The signing key is ``[torchdist] output_signing_key`` in Airflow's configuration (so also the
 ``AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY`` variable, ``_CMD`` and ``_SECRET`` forms, or a secrets
 backend). Without one, a random key is created once in ``$AIRFLOW_HOME/torchdist_output_signing.key``
@@ -31,13 +37,16 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 import math
 import os
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import cloudpickle
+
+from airflow_provider_torchdist.spark.jobspec import OUTPUT_DIGEST_SUFFIX
 
 ENVELOPE_KEY = "__torchdist_output__"
 ENVELOPE_VERSION = 1
@@ -132,8 +141,12 @@ def to_xcom(pickled: bytes | None) -> Any:
 
 
 def output_to_xcom(path: Path | None, *, max_inline_bytes: int, store_uri: str) -> Any:
-    """Like :func:`to_xcom`, from the output file; above ``max_inline_bytes`` the pickle is copied,
-    streaming and never unpickled here, to ``store_uri`` and XCom gets a signed reference."""
+    """Like :func:`to_xcom`, from the output file; above ``max_inline_bytes`` the pickle is stored,
+    never unpickled here, at ``store_uri`` and XCom gets a signed reference.
+
+    The file is moved (a rename) when ``store_uri`` is a local path on the staging directory's
+    filesystem, else streamed there; the digest the run recorded is used when it matches the file.
+    """
     if path is None:
         return None
     size = path.stat().st_size
@@ -142,13 +155,97 @@ def output_to_xcom(path: Path | None, *, max_inline_bytes: int, store_uri: str) 
     from airflow.sdk import ObjectStoragePath
 
     dest = ObjectStoragePath(store_uri)
+    digest = recorded_digest(path)
+    local = _local_path(dest)
+    if local is not None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        if digest is None:
+            digest = _file_digest(path)
+        if _move_within_filesystem(path, local):
+            return reference(str(dest), size, digest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
+    hasher = None if digest else hashlib.sha256()
     with open(path, "rb") as src, dest.open("wb") as out:
         while chunk := src.read(_COPY_CHUNK):
-            digest.update(chunk)
+            if hasher:
+                hasher.update(chunk)
             out.write(chunk)
-    return reference(str(dest), size, digest.hexdigest())
+    return reference(str(dest), size, digest or hasher.hexdigest())  # type: ignore[union-attr]
+
+
+def recorded_digest(path: Path) -> str | None:
+    """The sha256 the run recorded for the output file at ``path``, if it still describes that file.
+
+    The driver writes it beside the pickle (``output.pkl.sha256``) from the digest rank 0 computed
+    while pickling. A record whose size, inode or mtime differ from the file's (a restarted worker
+    group's newer output, say) is ignored, and the file is hashed instead.
+    """
+    try:
+        record = json.loads(path.with_name(path.name + OUTPUT_DIGEST_SUFFIX).read_text())
+        st = path.stat()
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    if [record.get("size"), record.get("ino"), record.get("mtime_ns")] != [
+        st.st_size,
+        st.st_ino,
+        st.st_mtime_ns,
+    ]:
+        return None
+    digest = record.get("sha256")
+    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        return None
+    return digest
+
+
+def _file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _local_path(dest: Any) -> Path | None:
+    """The local filesystem path of an ``ObjectStoragePath``, or None for remote storage."""
+    return Path(dest.path) if dest.protocol in ("", "file", "local") else None
+
+
+def _move_within_filesystem(src: Path, dest: Path) -> bool:
+    """Rename ``src`` to ``dest`` (replacing it) when both are on one filesystem; False otherwise."""
+    if os.stat(src.parent).st_dev != os.stat(dest.parent).st_dev:
+        return False
+    try:
+        os.replace(src, dest)
+    except OSError:  # EXDEV behind a bind mount, or the like: fall back to a copy
+        return False
+    return True
+
+
+def read_verified(stream: BinaryIO, size: int, check: Any) -> bytearray:
+    """Read exactly ``size`` bytes into one buffer, hashing as they arrive; ``check(hexdigest)``
+    must accept the digest before the buffer is returned. Raises ``OutputSignatureError`` for a
+    stream of another length."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    digest = hashlib.sha256()
+    got = 0
+    while got < size:
+        n = stream.readinto(view[got : got + _COPY_CHUNK])
+        if not n:
+            break
+        digest.update(view[got : got + n])
+        got += n
+    if got != size or stream.read(1):
+        raise OutputSignatureError(_REFUSED + f" (The stored file is not the {size} bytes that were signed.)")
+    check(digest.hexdigest())
+    return buf
+
+
+_REFUSED = (
+    "Refusing to unpickle this torchdist output: its signature does not match this deployment's "
+    "key. It was changed after the training task wrote it (XCom can be written through the REST "
+    "API), its stored file changed, or it comes from a deployment with another "
+    "[torchdist] output_signing_key. Re-run the training task."
+)
 
 
 def load_output(value: Any) -> Any:
@@ -171,19 +268,26 @@ def load_output(value: Any) -> Any:
             f"Unsupported torchdist output envelope (version {version!r}, format {value.get('format')!r}); "
             "upgrade airflow-provider-torchdist where this task runs."
         )
-    if "ref" in value:
-        from airflow.sdk import ObjectStoragePath
+    key = signing_key()
 
-        pickled = ObjectStoragePath(value["ref"]).read_bytes()
-    else:
+    def check(digest: str) -> None:
+        expected = _signature(key, value, digest) if "size" in value else ""
+        if not isinstance(value.get("sig"), str) or not hmac.compare_digest(value["sig"], expected):
+            raise OutputSignatureError(_REFUSED)
+
+    if "ref" not in value:
         pickled = base64.b64decode(value.get("data", ""))
-    digest = hashlib.sha256(pickled).hexdigest()
-    expected = _signature(signing_key(), value, digest) if "size" in value else ""
-    if not isinstance(value.get("sig"), str) or not hmac.compare_digest(value["sig"], expected):
-        raise OutputSignatureError(
-            "Refusing to unpickle this torchdist output: its signature does not match this deployment's "
-            "key. It was changed after the training task wrote it (XCom can be written through the REST "
-            "API), its stored file changed, or it comes from a deployment with another "
-            "[torchdist] output_signing_key. Re-run the training task."
-        )
+        check(hashlib.sha256(pickled).hexdigest())
+        return cloudpickle.loads(pickled)
+    size = value.get("size")
+    if not isinstance(size, int) or size < 0:
+        raise OutputSignatureError(_REFUSED)
+    # The signature covers ref, size and digest: refuse a forged reference before opening anything.
+    check(str(value.get("sha256", "")))
+    from airflow.sdk import ObjectStoragePath
+
+    stored = ObjectStoragePath(value["ref"])
+    local = _local_path(stored)
+    with open(local, "rb", buffering=0) if local is not None else stored.open("rb") as stream:
+        pickled = read_verified(stream, size, check)
     return cloudpickle.loads(pickled)

@@ -4,12 +4,15 @@ Usage: ``python bench/output_roundtrip.py [--rounds 3] [--quick] [--mb 100]``
 
 Per mode and round, three runs through the hook (``workloads/hook_output.py``), interleaved:
 
-- ``return``: rank 0 returns the state_dict; the caller does ``load_output(to_xcom(pickled))``;
+- ``return``: rank 0 returns the state_dict; the caller does what the operator does with it
+  (``output_to_xcom`` with the default 4 MiB inline limit: above it, the pickle is stored at an
+  ``output_path`` on the staging directory's filesystem and XCom gets a signed reference), then
+  ``load_output`` of that XCom value, as a downstream task would;
 - ``tiny``: the same with an empty output, for the launch's own tail (rank exit, driver, JVM);
 - ``save``: rank 0 ``torch.save``s it to local disk; the caller ``torch.load``s it (baseline).
 
 Time of the data path: rank 0 returning until the driver has written its value (the output
-file's mtime), plus ``to_xcom`` and ``load_output`` in the caller; against ``torch.save`` in rank
+file's mtime), plus ``output_to_xcom`` and ``load_output`` in the caller; against ``torch.save`` in rank
 0 plus ``torch.load`` in the caller (``data_ratio``, target <= 2x). ``e2e_ratio`` compares the two
 whole paths from rank 0's return (or save) until the caller holds the object, including the
 launch's shared tail (driver, JVM and process exits).
@@ -59,7 +62,9 @@ def derive(ret: dict[str, Any], tiny: dict[str, Any], save: dict[str, Any]) -> d
     save_e2e = save["t_loaded"] - save["t_before_save"]
     save_load = (save["t_saved"] - save["t_before_save"]) + (save["t_loaded"] - save["t_load_start"])
     kib = 1024
-    data_path = (ret["t_output_landed"] - ret["t_return"]) + (ret["t_loaded"] - ret["t_got_pickled"])
+    to_xcom = ret["t_to_xcom"] - ret["t_got_pickled"]
+    load = ret["t_loaded"] - ret["t_load_start"]
+    data_path = (ret["t_output_landed"] - ret["t_return"]) + to_xcom + load
 
     def over(a: int, b: int) -> float:
         return round((a - b) * kib / size, 2)
@@ -72,8 +77,9 @@ def derive(ret: dict[str, Any], tiny: dict[str, Any], save: dict[str, Any]) -> d
         "save_e2e_s": round(save_e2e, 3),
         "save_plus_load_s": round(save_load, 3),
         "return_extra_s": round(ret_e2e - tiny_e2e, 3),
-        "to_xcom_s": round(ret["t_to_xcom"] - ret["t_got_pickled"], 3),
-        "load_output_s": round(ret["t_loaded"] - ret["t_to_xcom"], 3),
+        "by_reference": ret.get("by_reference"),
+        "to_xcom_s": round(to_xcom, 3),
+        "load_output_s": round(load, 3),
         "rank_to_caller_s": round(ret["t_got_pickled"] - ret["t_return"], 3),
         "rank_to_driver_s": round(ret["t_output_landed"] - ret["t_return"], 3),
         "data_path_s": round(data_path, 3),
@@ -125,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     for mode, rows in samples.items():
         if not rows:
             continue
-        stats[mode] = {key: median([r[key] for r in rows]) for key in rows[0] if key != "load_before"}
+        stats[mode] = {
+            key: median([r[key] for r in rows])
+            for key in rows[0]
+            if key not in ("load_before", "by_reference")
+        }
+        stats[mode]["by_reference"] = all(r["by_reference"] for r in rows)
         stats[mode]["n"] = len(rows)
         stats[mode]["time_met"] = stats[mode]["data_ratio"] <= TIME_TARGET
         stats[mode]["rank_rss_met"] = stats[mode]["rank0_rss_over_output"] <= RSS_TARGET

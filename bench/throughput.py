@@ -5,8 +5,9 @@ Usage: ``python bench/throughput.py [--rounds 3] [--quick]``
 The workload (``workloads/mlp_train.py``) times its own steps after warm-up steps, inside the
 training function, so launch overhead is excluded; rank 0 returns steps/s and the thread
 settings every rank saw (``OMP_NUM_THREADS``, ``torch.get_num_threads()``). Variants run
-interleaved, one uncounted warm-up round first. Target: hook / torchrun >= 0.97. The
-``+set_num_threads(1)`` variants show what setting the ranks' torch threads would recover.
+interleaved, one uncounted warm-up round first. Target: hook / torchrun >= 0.97, in local mode,
+distributed mode with one rank per Spark task, and two ranks in one Spark task (``nproc_per_node=2``,
+where Spark's ``OMP_NUM_THREADS=spark.task.cpus`` is split between the ranks).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from common import BIN, PYTHON, WORKLOADS, bench_env, log, machine_info, median,
 TARGET = 0.97
 
 HOOK = [PYTHON, str(WORKLOADS / "hook_call.py"), "mlp_train:train_mlp"]
-ONE_THREAD = ["--kwargs", '{"threads": 1}']
 
 VARIANTS: dict[str, list[str]] = {
     "torchrun": [
@@ -33,15 +33,6 @@ VARIANTS: dict[str, list[str]] = {
     "hook_local": [*HOOK, "--local"],
     # one Spark task running both ranks: spark.task.cpus=2, and Spark's own OMP_NUM_THREADS for it
     "hook_distributed_nproc2": [*HOOK, "--distributed", "--nproc-per-node", "2"],
-    # the same two, with the function calling torch.set_num_threads(1) first: what a fix would do
-    "hook_local+set_num_threads(1)": [*HOOK, "--local", *ONE_THREAD],
-    "hook_distributed_nproc2+set_num_threads(1)": [
-        *HOOK,
-        "--distributed",
-        "--nproc-per-node",
-        "2",
-        *ONE_THREAD,
-    ],
 }
 
 

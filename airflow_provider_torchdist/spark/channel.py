@@ -17,7 +17,8 @@ Messages:
   stage never gets the endpoint of an attempt before it;
 - ``{"k": "failures", "failures": [...]}``: an agent's verdict that its node failed;
 - ``{"k": "metric", "m": {...}}``: a ``report()`` from training code, logged and kept in order;
-- ``{"k": "output", "n": size}`` + ``size`` bytes: rank 0's pickled return value;
+- ``{"k": "output", "n": size, "sha256": hex}`` + ``size`` bytes: rank 0's pickled return value
+  (the driver records the digest beside the file, for the Airflow side to sign);
 - ``{"k": "bye"}``: a clean close. A connection that ends without it is reported in the log.
 """
 
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE
+from airflow_provider_torchdist.spark.jobspec import OUTPUT_DIGEST_SUFFIX, OUTPUT_FILE
 from airflow_provider_torchdist.spark.metrics import format_metrics
 from airflow_provider_torchdist.spark.outcome import RankFailure
 
@@ -239,7 +240,7 @@ class RunChannel:
                         self.metrics.append(msg["m"])
                     self._print(f"[metrics] {format_metrics(msg['m'])}")
                 elif kind == "output":
-                    self._receive_output(rank, int(msg["n"]), rfile)
+                    self._receive_output(rank, int(msg["n"]), rfile, msg.get("sha256"))
                 elif kind == "bye":
                     clean = True
                     break
@@ -254,7 +255,9 @@ class RunChannel:
                 "anything it printed after this is only in its executor's log"
             )
 
-    def _receive_output(self, rank: int | None, size: int, rfile: BinaryIO) -> None:
+    def _receive_output(
+        self, rank: int | None, size: int, rfile: BinaryIO, sha256: str | None = None
+    ) -> None:
         if rank != 0:
             raise ValueError(f"rank {rank} sent an output; only global rank 0 may")
         final = self._output_dir / OUTPUT_FILE
@@ -270,6 +273,14 @@ class RunChannel:
                 left -= len(chunk)
         # A restarted worker group may send again: the latest complete output wins, atomically.
         os.replace(part, final)
+        if isinstance(sha256, str):
+            # Names the file by inode and mtime too, so it can never vouch for another output.
+            st = final.stat()
+            record = {"sha256": sha256, "size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns}
+            digest_file = final.with_name(OUTPUT_FILE + OUTPUT_DIGEST_SUFFIX)
+            digest_part = digest_file.with_name(f".{digest_file.name}.part")
+            digest_part.write_text(json.dumps(record))
+            os.replace(digest_part, digest_file)
 
 
 class ChannelClient:
@@ -352,11 +363,14 @@ class ChannelClient:
         header = json.dumps({"k": "output", "n": len(data)}).encode() + b"\n"
         return self._send_raw(header, memoryview(data))
 
-    def output_file(self, path: str) -> bool:
+    def output_file(self, path: str, sha256: str | None = None) -> bool:
         """Stream a pickled output from a file: the bytes never sit in this process's memory."""
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            header = json.dumps({"k": "output", "n": size}).encode() + b"\n"
+            msg: dict[str, Any] = {"k": "output", "n": size}
+            if sha256:
+                msg["sha256"] = sha256
+            header = json.dumps(msg).encode() + b"\n"
             with self._lock:
                 if self.broken:
                     return False

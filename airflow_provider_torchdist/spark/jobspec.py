@@ -15,6 +15,8 @@ from typing import Literal
 SPEC_FILE = "spec.json"
 PAYLOAD_FILE = "payload.pkl"
 OUTPUT_FILE = "output.pkl"
+#: Beside the output file: ``{"sha256", "size", "ino", "mtime_ns"}`` of it, as the driver received it.
+OUTPUT_DIGEST_SUFFIX = ".sha256"
 OUTCOME_FILE = "outcome.json"
 
 Kind = Literal["callable", "script"]

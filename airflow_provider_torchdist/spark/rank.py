@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import hashlib
 import os
+import queue
 import re
 import runpy
 import signal
@@ -246,23 +248,63 @@ def run_rank(spec: JobSpec, entry_path: str, channel_address: tuple[str, int], h
             client.close()
 
 
+class DigestingWriter:
+    """A binary file that also computes the sha256 of everything written to it, in a thread.
+
+    ``hashlib`` releases the GIL on large updates, so the digest of a large pickle is computed on
+    another core while the pickler goes on, instead of in a second pass over the file afterwards.
+    Chunks are hashed in the order they were written; the queue is bounded, so a slow hash holds the
+    writer back rather than piling up memory.
+    """
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self._sha256 = hashlib.sha256()
+        self._chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=16)
+        self._thread = threading.Thread(target=self._hash, daemon=True)
+        self._thread.start()
+
+    def _hash(self) -> None:
+        while (chunk := self._chunks.get()) is not None:
+            self._sha256.update(chunk)
+
+    def write(self, data: Any) -> int:
+        written = self._file.write(data)
+        if isinstance(data, bytes):  # immutable: safe to hash later
+            self._chunks.put(data)
+        else:  # a view of a buffer that may change: copy it
+            self._chunks.put(bytes(data))
+        return written
+
+    def hexdigest(self) -> str:
+        """Wait for the hash to catch up; the digest of everything written."""
+        self._chunks.put(None)
+        self._thread.join()
+        return self._sha256.hexdigest()
+
+
 def send_output(client: ChannelClient | None, value: Any) -> None:
     """Pickle rank 0's return value and stream it to the driver, which writes it once, atomically.
 
     The pickle goes to a private temporary file first, so a 1 GB value costs about 1 GB more
-    memory at most in the pickler's buffers rather than a second full copy.
+    memory at most in the pickler's buffers rather than a second full copy. Its sha256 is computed
+    while it is written and sent along: the Airflow side signs it without reading the file again.
     """
     fd, path = tempfile.mkstemp(prefix="torchdist-output-", suffix=".pkl")
     try:
         try:
             with os.fdopen(fd, "wb") as f:
-                cloudpickle.dump(value, f, protocol=5)
+                writer = DigestingWriter(f)
+                try:
+                    cloudpickle.dump(value, writer, protocol=5)
+                finally:
+                    digest = writer.hexdigest()
         except Exception as exc:
             raise TypeError(
                 f"rank 0's return value ({type(value).__qualname__}) could not be pickled: {exc}. "
                 "Return plain data (numbers, lists, dicts, tensors, state_dicts) instead."
             ) from exc
-        if client is None or not client.output_file(path):
+        if client is None or not client.output_file(path, sha256=digest):
             why = client.broken if client else "no connection"
             raise ConnectionError(f"rank 0 could not send its return value to the driver: {why}")
     finally:

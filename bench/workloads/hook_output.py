@@ -2,11 +2,15 @@
 
 ``python hook_output.py --local|--distributed --mb N --how return|save --dir DIR``
 
-- ``return``: rank 0 returns an N MiB state_dict; here ``load_output(to_xcom(run_pickled(...)))``.
+- ``return``: rank 0 returns an N MiB state_dict; here what the operator and a downstream task do:
+  ``output_to_xcom`` with the operator's default inline limit (above it: the pickle is stored
+  under ``DIR/outputs``, on the staging directory's filesystem, and XCom gets a signed reference),
+  then ``load_output`` of that XCom value after its JSON round trip;
 - ``save``: rank 0 ``torch.save``s it to DIR; here ``torch.load`` (the local-disk baseline).
 
-The output file's mtime tells when the driver had rank 0's value. A sampler thread reads the peak RSS (``VmHWM``) of this process and of every process under it;
-ranks are identified by the pid files they write. Prints one ``RESULT {json}`` line.
+The output file's mtime tells when the driver had rank 0's value. A sampler thread reads the peak
+RSS (``VmHWM``) of this process and of every process under it; ranks are identified by the pid
+files they write. Prints one ``RESULT {json}`` line.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ import torch  # noqa: E402  (imported up front: the round trip, not torch's impo
 from output_fn import big_state_dict  # noqa: E402
 
 from airflow_provider_torchdist import TorchDistributorHook  # noqa: E402
-from airflow_provider_torchdist.results import load_output, to_xcom  # noqa: E402
-from airflow_provider_torchdist.staging import StagedRun  # noqa: E402
+from airflow_provider_torchdist.results import (  # noqa: E402
+    DEFAULT_MAX_XCOM_OUTPUT_BYTES,
+    load_output,
+    output_to_xcom,
+)
 
 
 def vm_hwm_kib(pid: int | str = "self") -> int:
@@ -81,15 +88,6 @@ def main() -> None:
     args = parser.parse_args()
     stamp_dir = Path(args.dir)
     landed: dict[str, float] = {}
-    cleanup = StagedRun.cleanup
-
-    def cleanup_noting_output(staged: StagedRun) -> None:
-        # when the driver finished writing rank 0's output: the file's mtime
-        if staged.output_path.exists():
-            landed["t_output_landed"] = staged.output_path.stat().st_mtime_ns / 1e9
-        cleanup(staged)
-
-    StagedRun.cleanup = cleanup_noting_output  # type: ignore[method-assign]
     hook = TorchDistributorHook(num_processes=2, local_mode=args.local, use_gpu=False)
     sampler = PeakSampler()
     sampler.start()
@@ -98,14 +96,25 @@ def main() -> None:
     t_start = time.time()
     timings: dict[str, float] = {}
     if args.how == "return":
-        pickled = hook.run_pickled(big_state_dict, [args.mb, str(stamp_dir)])
-        timings["t_got_pickled"] = time.time()
-        xcom = to_xcom(pickled)
-        timings["t_to_xcom"] = time.time()
-        del pickled
+        store_uri = f"file://{stamp_dir}/outputs/dag/run/train-try1.pkl"
+
+        def to_xcom_like_the_operator(path: Path | None) -> object:
+            timings["t_got_pickled"] = time.time()
+            assert path is not None
+            # when the driver finished writing rank 0's output: the file's mtime
+            landed["t_output_landed"] = path.stat().st_mtime_ns / 1e9
+            out = output_to_xcom(path, max_inline_bytes=DEFAULT_MAX_XCOM_OUTPUT_BYTES, store_uri=store_uri)
+            timings["t_to_xcom"] = time.time()
+            return out
+
+        xcom = hook.run_to_path(big_state_dict, [args.mb, str(stamp_dir)], {}, to_xcom_like_the_operator)
+        xcom_text = json.dumps(xcom)  # what XCom stores, and what the downstream task gets
+        xcom_chars = len(xcom_text)
+        xcom = json.loads(xcom_text)
+        timings["t_load_start"] = time.time()
         value = load_output(xcom)
         timings["t_loaded"] = time.time()
-        xcom_chars = len(json.dumps(xcom)) if isinstance(xcom, dict) else 0
+        landed["by_reference"] = "ref" in xcom
     else:
         path = stamp_dir / "state.pt"
         saved = hook.run(big_state_dict, args.mb, str(stamp_dir), str(path))

@@ -4,21 +4,33 @@ from __future__ import annotations
 
 import base64
 import enum
+import hashlib
+import io
 import json
 import math
+import os
 from collections import OrderedDict
+from pathlib import Path
 
 import cloudpickle
 import pytest
 import torch
 
+from airflow_provider_torchdist import results
 from airflow_provider_torchdist.results import (
     ENVELOPE_KEY,
     ENVELOPE_VERSION,
+    OutputSignatureError,
     is_json_native,
     load_output,
+    output_to_xcom,
+    read_verified,
+    recorded_digest,
     to_xcom,
 )
+from airflow_provider_torchdist.spark.channel import ChannelClient
+from airflow_provider_torchdist.spark.jobspec import OUTPUT_DIGEST_SUFFIX, OUTPUT_FILE
+from tests.unit.conftest import fast_shutdown
 
 
 def _through_xcom(value):
@@ -208,3 +220,134 @@ def test_large_output_goes_by_signed_reference(tmp_path) -> None:
     stored.write_bytes(cloudpickle.dumps({"weights": torch.zeros(1)}))  # someone swaps the file
     with pytest.raises(OutputSignatureError):
         load_output(ref)
+
+
+# -- the large-output path: digest from the run, rename, one verified read ---------------------------
+
+
+def _stored_state(tmp_path, size_floats: int = 64 * 64) -> tuple[dict, Path]:
+    value = {"weights": torch.randn(size_floats)}
+    src = tmp_path / "staging" / OUTPUT_FILE
+    src.parent.mkdir()
+    src.write_bytes(cloudpickle.dumps(value, protocol=5))
+    return value, src
+
+
+def test_output_on_the_same_filesystem_is_moved_not_copied(tmp_path) -> None:
+    value, src = _stored_state(tmp_path)
+    inode = src.stat().st_ino
+    ref = output_to_xcom(src, max_inline_bytes=1024, store_uri=f"file://{tmp_path}/store/train-try1.pkl")
+    stored = tmp_path / "store/train-try1.pkl"
+    assert not src.exists() and stored.stat().st_ino == inode  # a rename: no second copy
+    assert ref["sha256"] == hashlib.sha256(stored.read_bytes()).hexdigest()
+    assert torch.equal(load_output(json.loads(json.dumps(ref)))["weights"], value["weights"])
+
+
+def test_output_to_other_storage_is_streamed_and_hashed(tmp_path, monkeypatch) -> None:
+    # Object storage (s3://...) or another filesystem: streamed through ObjectStoragePath both ways.
+    monkeypatch.setattr(results, "_local_path", lambda dest: None)
+    value, src = _stored_state(tmp_path)
+    ref = output_to_xcom(src, max_inline_bytes=1024, store_uri=f"file://{tmp_path}/store/train-try1.pkl")
+    assert src.exists()  # copied, not moved
+    assert ref["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
+    assert (tmp_path / "store/train-try1.pkl").read_bytes() == src.read_bytes()
+    assert torch.equal(load_output(ref)["weights"], value["weights"])
+
+
+def test_large_output_is_never_unpickled_on_the_airflow_side(tmp_path) -> None:
+    src = tmp_path / OUTPUT_FILE
+    src.write_bytes(b"\x80\x05 not a pickle at all " * 100)  # would raise if anything unpickled it
+    ref = output_to_xcom(src, max_inline_bytes=1024, store_uri=f"file://{tmp_path}/store/out.pkl")
+    assert ref["size"] == 2300 and "type" not in ref
+
+
+def test_the_runs_recorded_digest_is_signed_without_rehashing(tmp_path, monkeypatch) -> None:
+    value, src = _stored_state(tmp_path)
+    st = src.stat()
+    digest = hashlib.sha256(src.read_bytes()).hexdigest()
+    record = {"sha256": digest, "size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns}
+    src.with_name(OUTPUT_FILE + OUTPUT_DIGEST_SUFFIX).write_text(json.dumps(record))
+    assert recorded_digest(src) == digest
+
+    def no_rehash(path):
+        raise AssertionError("hashed the file again")
+
+    monkeypatch.setattr(results, "_file_digest", no_rehash)
+    ref = output_to_xcom(src, max_inline_bytes=1024, store_uri=f"file://{tmp_path}/store/out.pkl")
+    assert ref["sha256"] == digest
+    assert torch.equal(load_output(ref)["weights"], value["weights"])
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"size": 1},
+        {"ino": 1},
+        {"mtime_ns": 1},
+        {"sha256": "not hex"},
+        {"sha256": None},
+    ],
+)
+def test_a_stale_or_odd_digest_record_is_ignored(tmp_path, change) -> None:
+    value, src = _stored_state(tmp_path)
+    st = src.stat()
+    record = {"sha256": "0" * 64, "size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns}
+    src.with_name(OUTPUT_FILE + OUTPUT_DIGEST_SUFFIX).write_text(json.dumps({**record, **change}))
+    assert recorded_digest(src) is None
+    ref = output_to_xcom(src, max_inline_bytes=1024, store_uri=f"file://{tmp_path}/store/out.pkl")
+    assert torch.equal(load_output(ref)["weights"], value["weights"])  # hashed afresh: still loads
+
+
+def test_a_stored_file_of_another_size_is_refused_before_unpickling(tmp_path) -> None:
+    _, src = _stored_state(tmp_path)
+    ref = output_to_xcom(src, max_inline_bytes=1024, store_uri=f"file://{tmp_path}/store/out.pkl")
+    stored = tmp_path / "store/out.pkl"
+    original = stored.read_bytes()
+    for data in (original[:-1], original + b"."):
+        stored.write_bytes(data)
+        with pytest.raises(OutputSignatureError, match="not the .* bytes that were signed"):
+            load_output(ref)
+
+
+def test_a_forged_reference_is_refused_before_the_file_is_opened(tmp_path) -> None:
+    _, src = _stored_state(tmp_path)
+    ref = output_to_xcom(src, max_inline_bytes=1024, store_uri=f"file://{tmp_path}/store/out.pkl")
+    for change in ({"ref": f"file://{tmp_path}/nowhere.pkl"}, {"size": 10**12}, {"sha256": "0" * 64}):
+        with pytest.raises(OutputSignatureError):  # not FileNotFoundError, not a 1 TB allocation
+            load_output({**ref, **change})
+
+
+def test_read_verified_hashes_what_it_reads_and_checks_before_returning() -> None:
+    data = os.urandom(3 * results._COPY_CHUNK + 5)  # several chunks
+    seen = []
+    buf = read_verified(io.BytesIO(data), len(data), seen.append)
+    assert bytes(buf) == data and seen == [hashlib.sha256(data).hexdigest()]
+
+    def refuse(digest):
+        raise OutputSignatureError("no")
+
+    with pytest.raises(OutputSignatureError):
+        read_verified(io.BytesIO(data), len(data), refuse)
+
+
+def test_rank0_digest_travels_with_its_output_to_the_driver(tmp_path) -> None:
+    """DigestingWriter hashes the pickle as it is written; the driver records the digest beside it."""
+    from airflow_provider_torchdist.spark.channel import RunChannel
+    from airflow_provider_torchdist.spark.rank import DigestingWriter
+
+    value = {"w": torch.randn(300_000), "b": bytearray(b"x" * 100_000), "m": memoryview(b"abc").tobytes()}
+    pickle_path = tmp_path / "rank0.pkl"
+    with open(pickle_path, "wb") as f:
+        writer = DigestingWriter(f)
+        cloudpickle.dump(value, writer, protocol=5)
+        writer.write(memoryview(bytearray(b"tail")))  # a mutable view is copied before hashing
+        digest = writer.hexdigest()
+    assert digest == hashlib.sha256(pickle_path.read_bytes()).hexdigest()
+
+    out_dir = tmp_path / "driver"
+    out_dir.mkdir()
+    with fast_shutdown(RunChannel("tok", "127.0.0.1", out_dir, out=io.StringIO())) as channel:
+        client = ChannelClient(channel.address, "tok", 0, "hostX")
+        assert client.output_file(str(pickle_path), sha256=digest)
+        client.close()
+    assert recorded_digest(out_dir / OUTPUT_FILE) == digest
