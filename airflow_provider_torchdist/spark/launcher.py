@@ -16,6 +16,7 @@ from typing import Any
 
 from torch.distributed import DistStoreError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -172,6 +173,20 @@ def launch_node(
         return [failure_from_process(rank, f, host) for rank, f in sorted(exc.failures.items())]
     except (DistStoreError, RendezvousTimeoutError) as exc:
         return [rendezvous_failure(spec, exc, host, master)]
+    except SignalException as exc:  # the agent itself was told to stop; it stopped its ranks first
+        why = (
+            "Spark ended this task (its executor went away, or the stage was cancelled)"
+            if master is not None
+            else "the driver was told to stop (the task was killed or timed out)"
+        )
+        return [
+            RankFailure(
+                rank=None,
+                host=host,
+                exc_type="SignalException",
+                message=f"the torchrun agent was stopped by {exc.sigval.name}: {why}",
+            )
+        ]
     except Exception as exc:  # no rank owns these
         return [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]
     finally:

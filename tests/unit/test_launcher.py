@@ -208,3 +208,37 @@ def test_a_rendezvous_that_cannot_complete_fails_after_the_timeout_saying_so() -
     assert "rendezvous_timeout=2s" in failure.message
     assert "1/2 clients joined" in failure.message  # torch's own count of who arrived
     assert "socket_ifname" in failure.message
+
+
+@pytest.mark.parametrize(
+    "master, why",
+    [(("127.0.0.1", 1), "Spark ended this task"), (None, "the driver was told to stop")],
+    ids=["distributed", "local_mode"],
+)
+def test_an_agent_stopped_by_a_signal_says_which_and_why(monkeypatch, master, why) -> None:
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from airflow_provider_torchdist.spark import launcher
+
+    def stopped(config, entrypoint):
+        def run(*args):
+            raise SignalException(f"Process {1234} got signal: {signal.SIGHUP}", sigval=signal.SIGHUP)
+
+        return run
+
+    monkeypatch.setattr(launcher, "elastic_launch", stopped)
+    [failure] = launcher.launch_node(
+        _spec(num_processes=2),
+        node_rank=0,
+        entry_path="/x",
+        channel_address=("127.0.0.1", 1),
+        host="h",
+        master=master,
+    )
+    # The driver's cue to ask Spark whether the executor was lost.
+    assert failure.exc_type == "SignalException"
+    assert failure.summary().startswith(
+        f"a torchrun agent on h failed: SignalException: the torchrun agent was stopped by SIGHUP: {why}"
+    )
