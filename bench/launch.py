@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one counted round (for development)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these variants")
     parser.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up round")
+    parser.add_argument("--no-save", action="store_true", help="print only: leave latest.json and the README")
     args = parser.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
     variants = [v for v in VARIANTS if not args.only or v.name in args.only]
@@ -187,6 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(home, ignore_errors=True)
     summary = summarize(samples)
+    for name, st in summary["stats"].items():
+        log(f"{name:22s} median {st['median_s']} s (n={st['n_ok']}/{st['n']})")
+    for r in summary["ratios"]:
+        verdict = (
+            "" if r["target"] is None else (" met" if r["met"] else " MISSED") + f" (target <= {r['target']})"
+        )
+        log(f"{r['numerator']} / {r['denominator']} = {r['ratio']}{verdict}")
+    ok = all(s["ok"] for runs in samples.values() for s in runs)
+    if args.no_save:
+        return 0 if ok else 1
     update_results(
         "launch",
         {
@@ -202,17 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             "samples": samples,
         },
     )
-    for name, st in summary["stats"].items():
-        log(f"{name:22s} median {st['median_s']} s (n={st['n_ok']}/{st['n']})")
-    for r in summary["ratios"]:
-        verdict = (
-            "" if r["target"] is None else (" met" if r["met"] else " MISSED") + f" (target <= {r['target']})"
-        )
-        log(f"{r['numerator']} / {r['denominator']} = {r['ratio']}{verdict}")
     from report import render_readme
 
     render_readme()
-    return 0 if all(s["ok"] for runs in samples.values() for s in runs) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

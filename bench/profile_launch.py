@@ -9,10 +9,9 @@ SparkSubmit JVM, the Python driver, SparkContext, the barrier stage's Python wor
 import, ``allGather``, the torchrun agent, the ranks, and the shutdown. Medians per phase go to
 ``bench/results/latest.json`` (section ``profile``).
 
-Variants besides the plain hook pass settings through the hook's own ``conf``/``env_vars``
-(no package change): ``SPARK_HOME`` set (spark-submit skips ``find_spark_home.py``), the Spark UI
-off, the driver JVM with C1 only (``-XX:TieredStopAtLevel=1``) and with an AppCDS archive of
-Spark's classes (made once, before the rounds, uncounted).
+Variants besides the plain hook: ``fast_jvm_start=False`` (the driver JVM with Spark's own
+defaults: no class-data archive, full JIT), and settings passed through the hook's ``conf``
+(the Spark UI off). The hook's class-data archive is made by the uncounted warm-up run.
 """
 
 from __future__ import annotations
@@ -27,11 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pyspark
 from common import PYTHON, WORKLOADS, bench_env, log, machine_info, median, update_results
-
-SPARK_HOME = str(Path(pyspark.__file__).parent)
-C1 = "-XX:TieredStopAtLevel=1"
 
 #: Phases of a distributed-mode launch: (key, label, start event, end event). Consecutive, so they
 #: add up to the hook's wall time; events are resolved by :func:`timeline`.
@@ -151,21 +146,13 @@ LOCAL_PHASES = [
 ]
 
 
-def _variants(cds: str | None) -> dict[str, dict[str, Any]]:
-    jvm_fast = f"-XX:SharedArchiveFile={cds} {C1}" if cds else C1
-    all_conf = {"spark.ui.enabled": "false", "spark.driver.extraJavaOptions": jvm_fast}
+def _variants() -> dict[str, dict[str, Any]]:
     return {
         "distributed": {"mode": "--distributed"},
         "local": {"mode": "--local"},
-        "distributed+SPARK_HOME": {"mode": "--distributed", "env": {"SPARK_HOME": SPARK_HOME}},
+        "distributed+fast_jvm_start=False": {"mode": "--distributed", "hook": {"fast_jvm_start": False}},
+        "local+fast_jvm_start=False": {"mode": "--local", "hook": {"fast_jvm_start": False}},
         "distributed+ui_off": {"mode": "--distributed", "conf": {"spark.ui.enabled": "false"}},
-        "distributed+C1": {"mode": "--distributed", "conf": {"spark.driver.extraJavaOptions": C1}},
-        "distributed+AppCDS+C1": {
-            "mode": "--distributed",
-            "conf": {"spark.driver.extraJavaOptions": jvm_fast},
-        },
-        "distributed+all": {"mode": "--distributed", "conf": all_conf, "env": {"SPARK_HOME": SPARK_HOME}},
-        "local+all": {"mode": "--local", "conf": all_conf, "env": {"SPARK_HOME": SPARK_HOME}},
     }
 
 
@@ -177,6 +164,8 @@ def traced_run(variant: dict[str, Any], workdir: Path, env: dict[str, str]) -> d
         cmd += ["--conf", f"{key}={value}"]
     for key, value in variant.get("env", {}).items():
         cmd += ["--env", f"{key}={value}"]
+    if variant.get("hook", {}).get("fast_jvm_start") is False:
+        cmd.append("--no-fast-jvm-start")
     import subprocess
 
     load = os.getloadavg()[0]
@@ -262,21 +251,6 @@ def phases(run: dict[str, Any], spec: list[tuple[str, str, str, str]]) -> dict[s
     return out
 
 
-def make_cds_archive(workdir: Path, env: dict[str, str]) -> str | None:
-    """Dump an AppCDS archive of the classes a distributed run loads (one uncounted run)."""
-    archive = workdir / "spark.jsa"
-    variant = {
-        "mode": "--distributed",
-        "conf": {"spark.driver.extraJavaOptions": f"-XX:ArchiveClassesAtExit={archive}"},
-    }
-    try:
-        traced_run(variant, workdir, env)
-    except RuntimeError as exc:
-        log(f"AppCDS archive failed, skipping: {exc}")
-        return None
-    return str(archive) if archive.exists() else None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -284,17 +258,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one round")
     parser.add_argument("--only", nargs="+", metavar="VARIANT", help="run only these variants")
+    parser.add_argument("--no-save", action="store_true", help="print only: leave latest.json and the README")
     args = parser.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
     workdir = Path(tempfile.mkdtemp(prefix="bench-profile-"))
     env = bench_env()
     try:
-        log("making the AppCDS archive (uncounted run)")
-        cds = make_cds_archive(workdir, env)
-        variants = {k: v for k, v in _variants(cds).items() if not args.only or k in args.only}
+        variants = {k: v for k, v in _variants().items() if not args.only or k in args.only}
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in variants}
-        log("warm-up run (uncounted)")
-        traced_run(variants.get("distributed", next(iter(variants.values()))), workdir, env)
+        log("warm-up runs (uncounted; the first of each mode writes the hook's class-data archive)")
+        for mode in dict.fromkeys(v["mode"] for v in variants.values()):
+            traced_run({"mode": mode}, workdir, env)
         for round_no in range(1, rounds + 1):
             for name, variant in variants.items():
                 run = traced_run(variant, workdir, env)
@@ -312,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
             "load1": [s["load1"] for s in samples],
             "n": len(samples),
         }
+    for name, med in summary.items():
+        log(f"{name:34s} total median {med['total']} s")
+    if args.no_save:
+        print(json.dumps(summary, indent=1))
+        return 0
     update_results(
         "profile",
         {
@@ -329,8 +308,6 @@ def main(argv: list[str] | None = None) -> int:
             "samples": runs,
         },
     )
-    for name, med in summary.items():
-        log(f"{name:26s} total median {med['total']} s")
     from report import render_readme
 
     render_readme()

@@ -125,14 +125,17 @@ def _profile(sec: dict[str, Any]) -> list[str]:
     extra = [k for k in meds if k not in ("distributed", "local")]
     if extra:
         lines += [
-            "Settings passed through the hook's `conf`/`env_vars` (no package change), same instrumentation:",
+            "Variants (hook arguments or `conf`), same instrumentation:",
             "",
         ]
         rows = []
         for name in ["distributed", *extra]:
             v = sec["variants"].get(name, {})
             what = (
-                ", ".join(f"`{k}={val}`" for k, val in {**v.get("conf", {}), **v.get("env", {})}.items())
+                ", ".join(
+                    f"`{k}={val}`"
+                    for k, val in {**v.get("conf", {}), **v.get("env", {}), **v.get("hook", {})}.items()
+                )
                 or "defaults"
             )
             m = meds[name]
@@ -149,6 +152,87 @@ def _profile(sec: dict[str, Any]) -> list[str]:
         lines += _table(
             ["variant", "settings", "JVM to driver s", "SparkContext s", "total s", "load"], rows
         ) + [""]
+    return lines
+
+
+#: How a phase of the old profile maps onto the new one (allGather gave way to the channel exchange).
+_PHASE_RENAMES = {"allgather": "rendezvous"}
+
+LAUNCH_SETTINGS = [
+    "### Launch settings: what the hook does by default, and what it costs",
+    "",
+    "- **Driver JVM start.** The hook puts `-XX:TieredStopAtLevel=1` (C1 only) and a class-data archive of "
+    "Spark's classes (`-XX:SharedArchiveFile=...`, with `-Xshare:auto -Xlog:cds*=off`) in `SPARK_SUBMIT_OPTS`, "
+    "which Spark's launcher puts before `spark.driver.defaultJavaOptions` and `spark.driver.extraJavaOptions`: "
+    "a user's own JVM options come later and win, nothing of theirs is overwritten, and options that run "
+    "class-data sharing their own way (`-Xshare:*`, `-XX:SharedArchiveFile`, ...) switch the archive off. The "
+    "first run per user, Java build, Spark install, mode and JVM options writes the archive at JVM exit "
+    "(`-XX:ArchiveClassesAtExit`, about 75 MB, 1-2 s more on that one run) into "
+    "`$XDG_CACHE_HOME/airflow-provider-torchdist/jvm` (default `~/.cache/...`, created 0700; a directory others "
+    "can write to is not used). The hook installs it only when the JVM logged that it wrote all of it, named "
+    "with its size, and checks that size before each use: a truncated archive would crash the JVM (SIGBUS), a "
+    "mismatched one (another JDK build, changed jars) is ignored by `-Xshare:auto`. Trade-off: with C1 only, "
+    "the driver JVM's own long-running code runs slower (no C2). Here that JVM schedules the barrier stage and "
+    "relays Python I/O; a job that also does heavy JVM-side work in the same application (Spark SQL, the "
+    "embedded `local[N]` master's executor processing data) can opt out with `fast_jvm_start=False` (hook "
+    'argument; from the operator `spark_submit_kwargs={"fast_jvm_start": False}`), which also drops the archive. '
+    "On YARN and Kubernetes masters nothing is added. Delete the cache directory to reclaim its space.",
+    "- **`SPARK_HOME`.** Set to the installed pyspark when the `spark-submit` used is pyspark's own (the "
+    "embedded default, or a connection without its own `spark-binary`) and nothing set `SPARK_HOME` already: "
+    "pip's `spark-submit` then skips `find_spark_home.py`, a Python start of its own.",
+    "- **Rendezvous.** Barrier task 0 sends its host and a free port to the driver over the run channel "
+    "before it imports torch; the other tasks ask the driver and get the endpoint the moment it arrives, "
+    "instead of `BarrierTaskContext.allGather`, which polls once a second. The endpoint is still task 0's "
+    "routable address with torchrun's static rendezvous; a retried stage never gets an earlier attempt's endpoint.",
+    "- **Shutdown.** The run channel polls for shutdown every 20 ms instead of 0.5 s; `sc.stop()` no longer "
+    "waits for the 0.5 s poll of PySpark's accumulator server; the driver leaves with `os._exit` once the "
+    "outcome is written and its output flushed, skipping the interpreter's teardown (0.4 s with torch loaded).",
+    "- **Kept:** torchrun's elastic agent in-process (restarts, error files, its worker environment), the "
+    "Spark UI (the operator links to it; the `ui_off` profile variant shows what turning it off would save).",
+    "",
+]
+
+
+def _launch_changes(results: dict[str, Any]) -> list[str]:
+    """The launch settings, and the launch numbers before and after them."""
+    lines = list(LAUNCH_SETTINGS)
+    before, after = results.get("launch_before"), results.get("launch")
+    if before and after:
+        b = {(r["numerator"], r["denominator"]): r["ratio"] for r in before["ratios"]}
+        rows = [
+            [
+                f"{r['numerator']} / {r['denominator']}",
+                _s(b.get((r["numerator"], r["denominator"]))),
+                _s(r["ratio"]),
+                "–" if r["target"] is None else f"<= {r['target']}",
+            ]
+            for r in after["ratios"]
+        ]
+        lines += [
+            f"Launch ratios before (commit {before.get('commit', '?')}, {before['machine']['date']}) and now "
+            "(each measured interleaved in one run of `bench/launch.py`):",
+            "",
+        ]
+        lines += _table(["ratio", "before", "now", "target"], rows) + [""]
+    pbefore, pnow = results.get("profile_before"), results.get("profile")
+    if pbefore and pnow:
+        for mode in ("distributed", "local"):
+            old, new = pbefore["medians"].get(mode), pnow["medians"].get(mode)
+            if not old or not new:
+                continue
+            labels = {p["key"]: p["label"] for p in pnow["phases"][mode]}
+            old_keys = {_PHASE_RENAMES.get(k, k): k for k in old}
+            rows = []
+            for p in pnow["phases"][mode]:
+                was = old.get(old_keys.get(p["key"], p["key"]))
+                rows.append([labels[p["key"]], _s(was), _s(new.get(p["key"]))])
+            rows.append(["**total**", f"**{_s(old.get('total'))}**", f"**{_s(new.get('total'))}**"])
+            lines += [
+                f"{mode.capitalize()} mode, profile phases before (commit {pbefore.get('commit', '?')}, load "
+                f"{'/'.join(_s(x) for x in old['load1'])}) and now (load {'/'.join(_s(x) for x in new['load1'])}):",
+                "",
+            ]
+            lines += _table(["phase", "before s", "now s"], rows) + [""]
     return lines
 
 
@@ -268,11 +352,14 @@ def render(results: dict[str, Any]) -> str:
     for key, fn in (
         ("launch", _launch),
         ("profile", _profile),
+        ("launch_changes", None),
         ("throughput", _throughput),
         ("failure_latency", _failure),
         ("output_roundtrip", _output),
     ):
-        if key in results:
+        if key == "launch_changes":
+            lines += _launch_changes(results)
+        elif key in results:
             lines += fn(results[key])
     if NOTES.exists():
         lines += [NOTES.read_text().strip(), ""]

@@ -126,15 +126,20 @@ def _wrap_launcher(node):
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(fullname)
-            exec_module = spec.loader.exec_module
-
-            def traced_exec(module):
-                exec_module(module)
-                _ev("launcher_imported", node=node)
-                _wrap_launch_node(module, node)
-
-            spec.loader.exec_module = traced_exec
+            spec.loader = _TracedLoader(spec.loader)  # a zipimporter is shared: wrap, never patch
             return spec
+
+    class _TracedLoader(importlib.abc.Loader):
+        def __init__(self, inner):
+            self.inner = inner
+
+        def create_module(self, spec):
+            return self.inner.create_module(spec)
+
+        def exec_module(self, module):
+            self.inner.exec_module(module)
+            _ev("launcher_imported", node=node)
+            _wrap_launch_node(module, node)
 
     sys.meta_path.insert(0, _Finder())
 
@@ -284,6 +289,9 @@ def main() -> None:
     parser.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="extra spark-submit env"
     )
+    parser.add_argument(
+        "--no-fast-jvm-start", action="store_true", help="fast_jvm_start=False: Spark's own JVM defaults"
+    )
     args = parser.parse_args()
     spawned = float(os.environ.get("BENCH_T_SPAWN", T_PROCESS))
     _staging._DRIVER_SOURCE = _DRIVER_TEMPLATE.format(trace=os.path.abspath(args.trace))
@@ -305,7 +313,12 @@ def main() -> None:
     env = dict(e.split("=", 1) for e in args.env)
     t_init = time.time()
     hook = TorchDistributorHook(
-        num_processes=2, local_mode=args.local, use_gpu=False, conf=conf, env_vars=env or None
+        num_processes=2,
+        local_mode=args.local,
+        use_gpu=False,
+        conf=conf,
+        env_vars=env or None,
+        fast_jvm_start=not args.no_fast_jvm_start,
     )
     stamp_lines(hook, lines, stamps)
     leftovers: list[dict[str, Any]] = []
