@@ -1,4 +1,5 @@
-"""Worker loss: a Spark Worker (its JVM and its executor's JVM) is SIGKILLed in the middle of training.
+"""Worker loss: a Spark Worker (its JVM and its executor's JVM) is SIGKILLed, or its host freezes, in
+the middle of training.
 
 The run must end within a bounded time with an error that says a node was lost and where, and the
 surviving worker must be left with nothing of the run: no executor, Python worker, agent or rank.
@@ -6,6 +7,7 @@ surviving worker must be left with nothing of the run: no executor, Python worke
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -30,20 +32,27 @@ pytestmark = pytest.mark.integration
 PREFIX = "tdwl"
 SUBNET = "10.231.91"
 DRIVER_HOST = f"{SUBNET}.1"
-#: How long after the kill the run may take to fail (the issue's bound).
+#: How long after the loss the run may take to fail (the issue's bound).
 FAIL_WITHIN_S = 60
+#: Spark declares an executor lost when its heartbeats stop for spark.network.timeout (120 s by
+#: default, checked every 60 s); the frozen-host test lowers it to stay well inside FAIL_WITHIN_S.
+HEARTBEAT_TIMEOUT_15S = {
+    "spark.network.timeout": "15s",
+    "spark.executor.heartbeatInterval": "1s",
+    "spark.network.timeoutInterval": "1s",
+}
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[spark_cluster.ClusterInfo]:
-    """Master + 3 one-core workers, each in its own network namespace (its own "host").
+    """Master + 4 one-core workers, each in its own network namespace (its own "host").
 
-    Each test loses one worker; a run takes two, so the two tests share one cluster.
+    Each test loses one worker and a run takes two, so the three tests share one cluster.
     """
     if os.geteuid() != 0:
         pytest.fail("the worker-loss test needs root to create network namespaces (CI runs as root)")
     info = spark_cluster.start_cluster(
-        workers=3, cores=1, memory="1g", netns=True, prefix=PREFIX, subnet=SUBNET
+        workers=4, cores=1, memory="1g", netns=True, prefix=PREFIX, subnet=SUBNET
     )
     try:
         yield info
@@ -111,9 +120,17 @@ def _run_tree(rank_pid: int, worker_pids: set[int]) -> dict[str, int]:
 
 
 # Node 1: a plain peer. Node 0: also the rendezvous endpoint and global rank 0, whose value is awaited.
-@pytest.mark.parametrize("lost_node", [1, 0], ids=["node-1-lost", "node-0-lost"])
-def test_worker_killed_mid_training_fails_the_run_clearly_and_leaves_nothing(
+# Killed: the host's processes die, so their sockets close. Frozen (SIGSTOP, like a host that hangs or
+# drops off the network): nothing closes, the survivor blocks in gloo (whose timeout is 30 min) until
+# Spark's heartbeat timeout, lowered here to 15 s, declares the executor lost.
+@pytest.mark.parametrize(
+    "lost_node, how",
+    [(1, "killed"), (0, "killed"), (1, "frozen")],
+    ids=["node-1-killed", "node-0-killed", "node-1-frozen"],
+)
+def test_worker_lost_mid_training_fails_the_run_clearly_and_leaves_nothing(
     lost_node: int,
+    how: str,
     cluster: spark_cluster.ClusterInfo,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
@@ -129,6 +146,7 @@ def test_worker_killed_mid_training_fails_the_run_clearly_and_leaves_nothing(
             "spark.driver.bindAddress": DRIVER_HOST,
             "spark.executor.memory": "512m",
             "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+            **(HEARTBEAT_TIMEOUT_15S if how == "frozen" else {}),
         },
         env_vars={"SPARK_LOCAL_IP": DRIVER_HOST},
     )
@@ -156,21 +174,34 @@ def test_worker_killed_mid_training_fails_the_run_clearly_and_leaves_nothing(
     lost = next(w for w in cluster.workers if w.pid == trees[lost_node]["worker"])
     survivor_pids = {k: v for k, v in trees[survivor].items() if k != "worker"}
 
-    # The host running one node goes away: its Worker JVM and its executor JVM, at once.
-    for pid in (trees[lost_node]["worker"], trees[lost_node]["executor"]):
-        os.kill(pid, signal.SIGKILL)
+    # The host running one node goes away: its Worker JVM and its executor JVM die at once, or
+    # everything of the run on it stops.
+    frozen: list[psutil.Process] = []
+    if how == "killed":
+        for pid in (trees[lost_node]["worker"], trees[lost_node]["executor"]):
+            os.kill(pid, signal.SIGKILL)
+    else:
+        frozen = [psutil.Process(trees[lost_node]["worker"])]
+        frozen += frozen[0].children(recursive=True)
+        for proc in frozen:
+            proc.send_signal(signal.SIGSTOP)
     killed_at = time.monotonic()
-    runner.join(FAIL_WITHIN_S)
-    took = time.monotonic() - killed_at
+    try:
+        runner.join(FAIL_WITHIN_S)
+        took = time.monotonic() - killed_at
+    finally:
+        for proc in frozen:  # the frozen host's processes end with the test
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGKILL)
     if runner.is_alive():
         hook.on_kill()
         runner.join(30)
-        pytest.fail(f"the run was still going {FAIL_WITHIN_S}s after the worker died")
+        pytest.fail(f"the run was still going {FAIL_WITHIN_S}s after the worker was lost")
 
     assert not result, f"a run that lost a worker must not succeed: {result}"
     assert len(errors) == 1 and isinstance(errors[0], TrainingFailed | SparkSubmitFailed), errors
     message = str(errors[0])
-    print(f"failed {took:.1f}s after the kill: {message}")
+    print(f"failed {took:.1f}s after the worker was {how}: {message}")
     # Says what happened, where, and to which ranks.
     assert (
         f"Spark lost the executor on {lost.host} that ran node(s) [{lost_node}] (rank(s) [{lost_node}])"
