@@ -28,10 +28,10 @@ def check_master_reachable(master: str, conn_id: str, timeout: float = MASTER_CO
     for address in master.removeprefix("spark://").split(","):  # standalone HA lists several
         host, _, port = address.strip().rpartition(":")
         try:
-            with socket.create_connection((host, int(port)), timeout=timeout):
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
                 return
         except ValueError:
-            problems.append(f"{address}: no port")
+            problems.append(f"{address}: no port, write spark://host:7077")
         except OSError as exc:
             problems.append(f"{address}: {exc.strerror or type(exc).__name__}")
     raise SparkSubmitFailed(

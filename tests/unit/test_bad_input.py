@@ -315,3 +315,18 @@ def test_every_error_here_is_one_of_the_providers() -> None:
     # Airflow fails the task on them; callers can catch the provider's base class.
     for error in (InvalidTrainingConfig, PayloadNotPicklable, SparkSubmitFailed):
         assert issubclass(error, TorchDistributorError)
+
+
+def test_master_check_accepts_any_reachable_master_of_a_standalone_ha_list() -> None:
+    from airflow_provider_torchdist.preflight import check_master_reachable
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        check_master_reachable(f"spark://127.0.0.1:{_closed_port()},127.0.0.1:{port}", "spark_default")
+    check_master_reachable("local[2]", "spark_default")  # not a standalone master: nothing to check
+    with pytest.raises(
+        SparkSubmitFailed, match=r"spark://10\.0\.0\.1 \(10\.0\.0\.1: no port, write spark://host:7077\)"
+    ):
+        check_master_reachable("spark://10.0.0.1", "spark_default")
