@@ -25,6 +25,7 @@ import cloudpickle
 
 from airflow_provider_torchdist.spark.channel import ChannelClient, rank_prefix
 from airflow_provider_torchdist.spark.jobspec import JobSpec
+from airflow_provider_torchdist.spark.storage_pickling import dump_output
 
 _PR_SET_PDEATHSIG = 1
 _HERE = os.path.dirname(__file__)
@@ -270,10 +271,9 @@ class DigestingWriter:
 
     def write(self, data: Any) -> int:
         written = self._file.write(data)
-        if isinstance(data, bytes):  # immutable: safe to hash later
-            self._chunks.put(data)
-        else:  # a view of a buffer that may change: copy it
-            self._chunks.put(bytes(data))
+        # The pickler hands over immutable bytes, or tensor memory that stays as it is until the
+        # dump ends (and hexdigest() waits for the hash): both are safe to hash a moment later.
+        self._chunks.put(data)
         return written
 
     def hexdigest(self) -> str:
@@ -286,9 +286,10 @@ class DigestingWriter:
 def send_output(client: ChannelClient | None, value: Any) -> None:
     """Pickle rank 0's return value and stream it to the driver, which writes it once, atomically.
 
-    The pickle goes to a private temporary file first, so a 1 GB value costs about 1 GB more
-    memory at most in the pickler's buffers rather than a second full copy. Its sha256 is computed
-    while it is written and sent along: the Airflow side signs it without reading the file again.
+    The pickle goes to a private temporary file first, tensor memory written as it is
+    (:mod:`~airflow_provider_torchdist.spark.storage_pickling`), so pickling costs no second copy of
+    the value. Its sha256 is computed while it is written and sent along: the Airflow side signs it
+    without reading the file again.
     """
     fd, path = tempfile.mkstemp(prefix="torchdist-output-", suffix=".pkl")
     try:
@@ -296,7 +297,7 @@ def send_output(client: ChannelClient | None, value: Any) -> None:
             with os.fdopen(fd, "wb") as f:
                 writer = DigestingWriter(f)
                 try:
-                    cloudpickle.dump(value, writer, protocol=5)
+                    dump_output(value, writer)
                 finally:
                     digest = writer.hexdigest()
         except Exception as exc:

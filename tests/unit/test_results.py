@@ -21,10 +21,10 @@ from airflow_provider_torchdist.results import (
     ENVELOPE_KEY,
     ENVELOPE_VERSION,
     OutputSignatureError,
+    VerifiedChunks,
     is_json_native,
     load_output,
     output_to_xcom,
-    read_verified,
     recorded_digest,
     to_xcom,
 )
@@ -317,17 +317,54 @@ def test_a_forged_reference_is_refused_before_the_file_is_opened(tmp_path) -> No
             load_output({**ref, **change})
 
 
-def test_read_verified_hashes_what_it_reads_and_checks_before_returning() -> None:
-    data = os.urandom(3 * results._COPY_CHUNK + 5)  # several chunks
+def test_verified_chunks_check_before_returning_and_read_like_a_file() -> None:
+    data = os.urandom(3 * results._COPY_CHUNK + 5) + b"line one\nline two"  # several chunks
     seen = []
-    buf = read_verified(io.BytesIO(data), len(data), seen.append)
-    assert bytes(buf) == data and seen == [hashlib.sha256(data).hexdigest()]
+    chunks = VerifiedChunks.from_stream(io.BytesIO(data), len(data), seen.append)
+    assert seen == [hashlib.sha256(data).hexdigest()]
+    first = chunks.read(10)
+    buf = bytearray(3 * results._COPY_CHUNK - 10)
+    assert chunks.readinto(buf) == len(buf)  # across chunk boundaries
+    rest = chunks.read(5)
+    assert first + bytes(buf) + rest == data[: 3 * results._COPY_CHUNK + 5]
+    assert chunks.readline() == b"line one\n" and chunks.readline() == b"line two"
+    assert chunks.read() == b"" and chunks.readline() == b""
 
     def refuse(digest):
         raise OutputSignatureError("no")
 
     with pytest.raises(OutputSignatureError):
-        read_verified(io.BytesIO(data), len(data), refuse)
+        VerifiedChunks.from_stream(io.BytesIO(data), len(data), refuse)
+
+
+def test_tensors_travel_from_their_own_memory_and_load_into_shared_buffers() -> None:
+    from airflow_provider_torchdist.spark.storage_pickling import dump_output
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    w = torch.randn(5, 6)
+    value = {
+        "state": model.state_dict(),
+        "w": w,
+        "view": w[1:3, ::2],
+        "param": torch.nn.Parameter(torch.randn(2)),
+        "ints": torch.arange(5),
+        "empty": torch.empty(0),
+        "bools": torch.tensor([True, False]),
+        "half": torch.randn(3).half(),
+        "fn": lambda x: x + 1,  # still cloudpickle: code by value
+    }
+    out = io.BytesIO()
+    dump_output(value, out)
+    back = cloudpickle.load(VerifiedChunks([out.getvalue()]))
+    for key in ("w", "view", "ints", "empty", "bools", "half"):
+        assert back[key].dtype == value[key].dtype and back[key].stride() == value[key].stride(), key
+        assert torch.equal(back[key], value[key]), key
+    assert isinstance(back["param"], torch.nn.Parameter) and torch.equal(back["param"], value["param"])
+    torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).load_state_dict(back["state"])
+    assert back["fn"](1) == 2
+    back["w"].add_(1)  # the loaded tensors are ordinary, writable tensors
+    assert torch.equal(back["w"], value["w"] + 1)
 
 
 def test_rank0_digest_travels_with_its_output_to_the_driver(tmp_path) -> None:
