@@ -44,6 +44,24 @@ HELLO_TIMEOUT_S = 10.0
 _CHUNK = 1 << 20
 
 
+def publish_output(part: Path, output_dir: Path, sha256: str | None) -> Path:
+    """Make the complete pickle at ``part`` rank 0's output in ``output_dir``, atomically, and record
+    its digest beside it (named by size, inode and mtime, so it can never vouch for another file).
+
+    A restarted worker group may send again: the latest complete output wins.
+    """
+    final = output_dir / OUTPUT_FILE
+    os.replace(part, final)
+    if isinstance(sha256, str):
+        st = final.stat()
+        record = {"sha256": sha256, "size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns}
+        digest_file = final.with_name(OUTPUT_FILE + OUTPUT_DIGEST_SUFFIX)
+        digest_part = digest_file.with_name(f".{digest_file.name}.part")
+        digest_part.write_text(json.dumps(record))
+        os.replace(digest_part, digest_file)
+    return final
+
+
 def rank_prefix(rank: int | None, host: str | None) -> str:
     """The prefix every forwarded line carries in the task log: ``[rank 1 @ 10.0.0.2]``."""
     who = "agent" if rank is None else f"rank {rank}"
@@ -271,16 +289,7 @@ class RunChannel:
                     raise ValueError(f"rank 0's output ended after {size - left} of {size} bytes")
                 f.write(chunk)
                 left -= len(chunk)
-        # A restarted worker group may send again: the latest complete output wins, atomically.
-        os.replace(part, final)
-        if isinstance(sha256, str):
-            # Names the file by inode and mtime too, so it can never vouch for another output.
-            st = final.stat()
-            record = {"sha256": sha256, "size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns}
-            digest_file = final.with_name(OUTPUT_FILE + OUTPUT_DIGEST_SUFFIX)
-            digest_part = digest_file.with_name(f".{digest_file.name}.part")
-            digest_part.write_text(json.dumps(record))
-            os.replace(digest_part, digest_file)
+        publish_output(part, self._output_dir, sha256)
 
 
 class ChannelClient:

@@ -35,6 +35,7 @@ def run_local(spec: JobSpec, staging: Path) -> Outcome:
             entry_path=str(staging / spec.entry),
             channel_address=channel.address,
             host=LOCAL_HOST,
+            output_dir=str(staging),  # the ranks run here: rank 0 writes its value in place
         )
     return Outcome(
         ok=not channel.failures, failures=channel.failures, hosts=[LOCAL_HOST], metrics=channel.metrics

@@ -137,11 +137,13 @@ def launch_node(
     host: str,
     master: tuple[str, int] | None = None,
     task_cpus: int | None = None,
+    output_dir: str | None = None,
 ) -> list[RankFailure]:
     """Run this node's ranks to the end; return their failures (empty when all succeeded).
 
     ``master`` is node 0's rendezvous address in distributed mode, None in local mode;
-    ``task_cpus`` the barrier task's ``spark.task.cpus`` (the ranks share them).
+    ``task_cpus`` the barrier task's ``spark.task.cpus`` (the ranks share them); ``output_dir`` the
+    driver's output directory when this node runs on the driver (rank 0 writes its value there).
     """
     nproc = spec.num_processes if master is None else spec.nproc_per_node
     if spec.use_gpu and master is None:
@@ -167,7 +169,7 @@ def launch_node(
     saved = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
     try:
         config = launch_config(spec, node_rank=node_rank, master=master, host=host, log_dir=log_dir)
-        elastic_launch(config, run_rank)(spec, entry_path, channel_address, host)
+        elastic_launch(config, run_rank)(spec, entry_path, channel_address, host, output_dir)
         return []
     except ChildFailedError as exc:
         return [failure_from_process(rank, f, host) for rank, f in sorted(exc.failures.items())]

@@ -19,11 +19,12 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
-from airflow_provider_torchdist.spark.channel import ChannelClient, rank_prefix
+from airflow_provider_torchdist.spark.channel import ChannelClient, publish_output, rank_prefix
 from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.storage_pickling import dump_output
 
@@ -214,8 +215,14 @@ def call_entry(spec: JobSpec, entry_path: str) -> Any:
     return None
 
 
-def run_rank(spec: JobSpec, entry_path: str, channel_address: tuple[str, int], host: str) -> None:
-    """The entry point torchrun's agent calls in every rank it forks."""
+def run_rank(
+    spec: JobSpec, entry_path: str, channel_address: tuple[str, int], host: str, output_dir: str | None = None
+) -> None:
+    """The entry point torchrun's agent calls in every rank it forks.
+
+    ``output_dir``: the driver's output directory when this rank runs on the driver's machine (local
+    mode): rank 0 then writes its value there itself instead of streaming it over the channel.
+    """
     die_with_parent()
     apply_thread_count()
     rank = int(os.environ["RANK"])
@@ -232,7 +239,7 @@ def run_rank(spec: JobSpec, entry_path: str, channel_address: tuple[str, int], h
     try:
         value = call_entry(spec, entry_path)
         if rank == 0 and spec.kind == "callable":
-            send_output(client, value)
+            send_output(client, value, output_dir)
     except SystemExit as exc:
         if exc.code not in (None, 0):
             if client:
@@ -283,15 +290,16 @@ class DigestingWriter:
         return self._sha256.hexdigest()
 
 
-def send_output(client: ChannelClient | None, value: Any) -> None:
+def send_output(client: ChannelClient | None, value: Any, output_dir: str | None = None) -> None:
     """Pickle rank 0's return value and stream it to the driver, which writes it once, atomically.
 
     The pickle goes to a private temporary file first, tensor memory written as it is
     (:mod:`~airflow_provider_torchdist.spark.storage_pickling`), so pickling costs no second copy of
     the value. Its sha256 is computed while it is written and sent along: the Airflow side signs it
-    without reading the file again.
+    without reading the file again. With ``output_dir`` (the driver's, on this machine) the file is
+    written there and renamed into place: no copy over the channel.
     """
-    fd, path = tempfile.mkstemp(prefix="torchdist-output-", suffix=".pkl")
+    fd, path = tempfile.mkstemp(prefix=".torchdist-output-", suffix=".pkl", dir=output_dir)
     try:
         try:
             with os.fdopen(fd, "wb") as f:
@@ -305,8 +313,12 @@ def send_output(client: ChannelClient | None, value: Any) -> None:
                 f"rank 0's return value ({type(value).__qualname__}) could not be pickled: {exc}. "
                 "Return plain data (numbers, lists, dicts, tensors, state_dicts) instead."
             ) from exc
+        if output_dir is not None:
+            publish_output(Path(path), Path(output_dir), digest)
+            return
         if client is None or not client.output_file(path, sha256=digest):
             why = client.broken if client else "no connection"
             raise ConnectionError(f"rank 0 could not send its return value to the driver: {why}")
     finally:
-        os.unlink(path)
+        if os.path.exists(path):
+            os.unlink(path)

@@ -388,3 +388,17 @@ def test_rank0_digest_travels_with_its_output_to_the_driver(tmp_path) -> None:
         assert client.output_file(str(pickle_path), sha256=digest)
         client.close()
     assert recorded_digest(out_dir / OUTPUT_FILE) == digest
+
+
+def test_rank0_on_the_drivers_machine_writes_its_value_in_place(tmp_path) -> None:
+    """Local mode: no channel copy; the output and its digest record appear atomically, nothing else."""
+    from airflow_provider_torchdist.spark.rank import send_output
+
+    value = {"w": torch.randn(1000)}
+    send_output(None, value, str(tmp_path))  # no channel needed
+    final = tmp_path / OUTPUT_FILE
+    assert sorted(p.name for p in tmp_path.iterdir()) == [OUTPUT_FILE, OUTPUT_FILE + OUTPUT_DIGEST_SUFFIX]
+    assert oct(final.stat().st_mode & 0o777) == "0o600"
+    assert recorded_digest(final) == hashlib.sha256(final.read_bytes()).hexdigest()
+    ref = output_to_xcom(final, max_inline_bytes=100, store_uri=f"file://{tmp_path}/store/out.pkl")
+    assert torch.equal(load_output(ref)["w"], value["w"])
