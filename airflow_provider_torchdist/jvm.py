@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CACHE_SUBDIR = ("airflow-provider-torchdist", "jvm")
+#: Dynamic archives exist since JDK 13, ``-Xlog`` since 9; 17 is what Spark 4 needs and what was tested.
+MIN_CDS_JAVA = 17
 C1_ONLY = "-XX:TieredStopAtLevel=1"
 #: Use an archive when it fits, ignore it when not: never fail the JVM over it (also overrides an
 #: ``-Xshare:on`` from ``JAVA_TOOL_OPTIONS``). The CDS warnings of a mismatch or of a first run's
@@ -52,6 +54,10 @@ DUMP_DONE = "Written dynamic archive"
 _OWN_CDS = re.compile(
     r"-XX:(SharedArchiveFile|ArchiveClassesAtExit|SharedClassListFile|DumpLoadedClassList)|-Xshare:"
 )
+#: A dump left by a run that was killed before the hook could install or delete it.
+STALE_DUMP_S = 24 * 3600
+#: Archives of combinations not written for this long (older JDK or Spark installs) are deleted.
+STALE_ARCHIVE_S = 30 * 24 * 3600
 #: The option parser of Spark's launcher splits on whitespace and quotes, and ``-Xlog`` on ``:``
 #: and ``,``; a cache path with none of those needs no quoting anywhere.
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9._/+@=~-]+$")
@@ -90,6 +96,19 @@ def java_fingerprint(java: str | None) -> str:
     return ";".join(
         file_fingerprint(p) for p in (java, home / "lib" / "server" / "libjvm.so", home / "release")
     )
+
+
+def java_feature_version(java: str | None) -> int | None:
+    """The JDK's feature version (17 for 17.0.15) from its ``release`` file; None when unknown."""
+    if not java:
+        return None
+    release = Path(os.path.realpath(java)).parent.parent / "release"
+    try:
+        text = release.read_text(errors="replace")
+    except OSError:
+        return None
+    match = re.search(r'^JAVA_VERSION="(?:1\.)?(\d+)', text, re.M)
+    return int(match.group(1)) if match else None
 
 
 def archive_key(parts: Sequence[str]) -> str:
@@ -133,6 +152,32 @@ def find_archive(cache: Path, key: str) -> Path | None:
         if size.isdigit() and st.st_size == int(size) and st.st_uid == os.geteuid():
             return path
     return None
+
+
+def prune_cache(cache: Path, keep: Path | None = None, now: float | None = None) -> None:
+    """Delete dumps of killed runs (a day old) and other archives older than 30 days; never raises.
+
+    ``keep`` (the archive this run uses) is never deleted, so an archive in use stays.
+    """
+    import time
+
+    now = time.time() if now is None else now
+    try:
+        entries = list(os.scandir(cache))
+    except OSError:
+        return
+    for entry in entries:
+        if keep is not None and entry.path == str(keep):
+            continue
+        if entry.name.endswith((".jsa.part", ".log")):
+            limit = STALE_DUMP_S
+        elif entry.name.endswith(".jsa"):
+            limit = STALE_ARCHIVE_S
+        else:
+            continue
+        with contextlib.suppress(OSError):
+            if now - entry.stat().st_mtime > limit:
+                os.unlink(entry.path)
 
 
 def private_cache_dir(cache: Path) -> Path | None:
@@ -189,22 +234,28 @@ class DriverJvmStart:
         for leftover in (self.dump_path, self.dump_log):
             with contextlib.suppress(OSError, TypeError):
                 os.unlink(leftover)  # type: ignore[arg-type]
+        prune_cache(self.cache, keep=installed)
         return installed
 
 
 def plan_driver_jvm_start(
-    cache: Path | None, key_parts: Sequence[str], user_options: str | None = None
+    cache: Path | None,
+    key_parts: Sequence[str],
+    user_options: str | None = None,
+    java_version: int | None = MIN_CDS_JAVA,
 ) -> DriverJvmStart:
     """The driver JVM options for a run: C1 only, plus the cached archive, or the dump of one.
 
-    ``cache`` None (not usable) or ``user_options`` that manage class-data sharing themselves
-    leave only C1.
+    ``cache`` None (not usable), ``user_options`` that manage class-data sharing themselves, or a
+    JDK older than 17 or of unknown version (its JVM would refuse ``-Xlog`` or the archive options
+    and not start) leave only C1, which every HotSpot JVM knows.
     """
     options = [C1_ONLY]
-    if cache is None or manages_own_cds(user_options):
+    if cache is None or manages_own_cds(user_options) or (java_version or 0) < MIN_CDS_JAVA:
         return DriverJvmStart(options)
     key = archive_key(key_parts)
     archive = find_archive(cache, key)
+    prune_cache(cache, keep=archive)
     if archive is not None:
         return DriverJvmStart([*CDS_SAFE, f"-XX:SharedArchiveFile={archive}", *options])
     tag = f"{key}.{os.getpid()}.{secrets.token_hex(4)}"

@@ -25,6 +25,7 @@ from airflow_provider_torchdist.jvm import (
     cache_root,
     file_fingerprint,
     java_binary,
+    java_feature_version,
     java_fingerprint,
     plan_driver_jvm_start,
     private_cache_dir,
@@ -326,7 +327,9 @@ class TorchDistributorHook(SparkSubmitHook):
                 user_options,
                 str(self._driver_memory),
             ]
-            start = plan_driver_jvm_start(private_cache_dir(cache_root(full)), key_parts, user_options)
+            start = plan_driver_jvm_start(
+                private_cache_dir(cache_root(full)), key_parts, user_options, java_feature_version(java)
+            )
             env["SPARK_SUBMIT_OPTS"] = start.spark_submit_opts(full.get("SPARK_SUBMIT_OPTS"))
         self._env_vars = env
         return start

@@ -16,11 +16,13 @@ from airflow_provider_torchdist.jvm import (
     archive_key,
     cache_root,
     find_archive,
+    java_feature_version,
     java_fingerprint,
     manages_own_cds,
     merge_java_options,
     plan_driver_jvm_start,
     private_cache_dir,
+    prune_cache,
 )
 
 KEY = ["java-a", "spark-b", "distributed", ""]
@@ -72,6 +74,23 @@ def test_java_fingerprint_changes_when_the_jvm_is_replaced(tmp_path):
     assert java_fingerprint(None) == "-"
 
 
+@pytest.mark.parametrize(
+    "release, version", [('JAVA_VERSION="17.0.15"', 17), ('JAVA_VERSION="1.8.0_392"', 8), ("", None)]
+)
+def test_java_feature_version_from_the_release_file(tmp_path, release, version):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "java").write_text("j")
+    if release:
+        (tmp_path / "release").write_text(f'IMPLEMENTOR="x"\n{release}\n')
+    assert java_feature_version(str(tmp_path / "bin" / "java")) == version
+
+
+@pytest.mark.parametrize("version", [8, 11, None])
+def test_older_or_unknown_java_gets_only_c1(tmp_path, version):
+    """Java 8 refuses -Xlog and would not start; C1 is known to every HotSpot JVM."""
+    assert plan_driver_jvm_start(tmp_path, KEY, java_version=version).options == [C1_ONLY]
+
+
 def test_first_run_dumps_then_installs_only_a_complete_archive(tmp_path):
     start = plan_driver_jvm_start(tmp_path, KEY)
     assert start.dump_path is not None and start.dump_log is not None
@@ -112,6 +131,23 @@ def test_a_truncated_archive_is_never_used(tmp_path):
     assert find_archive(tmp_path, archive_key(KEY)) is None
     start = plan_driver_jvm_start(tmp_path, KEY)
     assert not any("SharedArchiveFile" in o for o in start.options)
+
+
+def test_prune_removes_killed_runs_dumps_and_old_archives_only(tmp_path):
+    now = 10_000_000.0
+    files = {
+        "k.1.a.jsa.part": now - 2 * 86400,  # a run killed two days ago
+        "k.1.a.log": now - 2 * 86400,
+        "k.2.b.jsa.part": now - 60,  # a run dumping right now
+        "old-1.jsa": now - 40 * 86400,
+        "fresh-1.jsa": now - 86400,
+        "other.txt": now - 400 * 86400,
+    }
+    for name, mtime in files.items():
+        (tmp_path / name).write_text("x")
+        os.utime(tmp_path / name, (mtime, mtime))
+    prune_cache(tmp_path, now=now)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh-1.jsa", "k.2.b.jsa.part", "other.txt"]
 
 
 def test_user_cds_settings_leave_only_c1(tmp_path):
