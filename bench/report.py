@@ -303,11 +303,13 @@ def _output(sec: dict[str, Any]) -> list[str]:
         "### Output round trip",
         "",
         f"`python bench/output_roundtrip.py`: rank 0 returns a {sec['mb']} MiB state_dict (10 float32 tensors). "
-        "Data path = rank 0's `return` until the driver has written the value (output file mtime) + "
-        "`to_xcom(pickled)` + `load_output(...)` in the caller; baseline = `torch.save` in rank 0 + `torch.load` "
-        "in the caller (local disk, page cache). End to end = from rank 0's return/save until the caller holds "
-        "the object, launch tail included. Peak RSS (`VmHWM`) is above the same process in a run with an "
-        "empty output, in multiples of the output size.",
+        "The caller does what the operator and a downstream task do: `output_to_xcom` with the default 4 MiB "
+        "inline limit (so a signed reference; the pickle is moved into an `output_path` on the staging "
+        "directory's filesystem) and `load_output` of the XCom value. Data path = rank 0's `return` until the "
+        "driver has written the value (output file mtime) + `output_to_xcom` + `load_output`; baseline = "
+        "`torch.save` in rank 0 + `torch.load` in the caller (local disk, page cache). End to end = from rank "
+        "0's return/save until the caller holds the object, launch tail included. Peak RSS (`VmHWM`) is above "
+        "the same process in a run with an empty output, in multiples of the output size.",
         "",
     ]
     rows = []
@@ -315,7 +317,7 @@ def _output(sec: dict[str, Any]) -> list[str]:
         rows.append(
             [
                 mode,
-                f"{_s(st['data_path_s'])} (rank→driver {_s(st['rank_to_driver_s'])}, to_xcom {_s(st['to_xcom_s'])}, "
+                f"{_s(st['data_path_s'])} (rank→driver {_s(st['rank_to_driver_s'])}, output_to_xcom {_s(st['to_xcom_s'])}, "
                 f"load_output {_s(st['load_output_s'])})",
                 _s(st["save_plus_load_s"]),
                 f"{_s(st['data_ratio'])} {_verdict(st['time_met'])}",
@@ -338,9 +340,105 @@ def _output(sec: dict[str, Any]) -> list[str]:
     )
     st = next(iter(sec["stats"].values()), {})
     if st:
+        kind = "a signed reference" if st.get("by_reference") else "an inline base64 envelope"
         lines += [
             "",
-            f"The XCom value (base64 envelope) is {_s(st['xcom_json_mib'], 1)} MiB of JSON for the {_s(st['output_mib'], 0)} MiB output.",
+            f"XCom holds {kind}: {_s(st['xcom_json_mib'] * 1024, 1)} KiB of JSON for the "
+            f"{_s(st['output_mib'], 0)} MiB output. Rank 0 pickles tensor storages from their own memory and "
+            "hashes the pickle in a thread while writing it; the driver records that digest, so "
+            "`output_to_xcom` signs and renames without reading the file; `load_output` reads it once while "
+            "hashing, verifies, then unpickles chunk by chunk into the tensors' own buffers.",
+        ]
+    return lines + [""]
+
+
+def _scaling(sec: dict[str, Any]) -> list[str]:
+    c = sec["cluster"]
+    lines = [
+        "### Scaling with the number of processes",
+        "",
+        "`python bench/scaling.py`: the trivial DDP function with N = "
+        + ", ".join(sec["stats"])
+        + f" processes on a loopback Spark standalone cluster ({c['workers']} Workers of "
+        f"{c['cores_per_worker']} core, so each barrier task gets an executor of its own, like a node), through "
+        "`TorchDistributorHook(num_processes=N, local_mode=False)` vs. `torchrun --standalone "
+        "--nproc_per_node=N`. Rank 0's own timestamps split each run: until rank 0 runs, `import torch` + "
+        "`init_process_group` in rank 0 (torchrun's ranks import torch themselves; ours fork from an agent that "
+        f"has), and after training until the launcher has exited. Medians of {sec['rounds']} interleaved rounds.",
+        "",
+    ]
+    rows = []
+    for n, st in sec["stats"].items():
+        raw, hook = st["torchrun"], st["hook"]
+        rows.append(
+            [
+                n,
+                _s(raw["wall_s"]),
+                _s(hook["wall_s"]),
+                _s(st.get("overhead_s")),
+                _s(st.get("ratio")),
+                f"{_s(raw['until_rank0_s'])} / {_s(hook['until_rank0_s'])}",
+                f"{_s(raw['join_s'])} / {_s(hook['join_s'])}",
+                f"{_s(raw['after_s'])} / {_s(hook['after_s'])}",
+                _load(sec["samples"][n]["hook"]),
+            ]
+        )
+    lines += _table(
+        [
+            "N",
+            "torchrun s",
+            "hook s",
+            "overhead s",
+            "ratio",
+            "until rank 0 runs s (torchrun / hook)",
+            "import torch + join s",
+            "after training s",
+            "load",
+        ],
+        rows,
+    )
+    sizes = [int(n) for n in sec["stats"] if sec["stats"][n].get("overhead_s") is not None]
+    if len(sizes) >= 2:
+        lo, hi = min(sizes), max(sizes)
+        fixed = sec["stats"][str(lo)]["overhead_s"]
+        slope = (sec["stats"][str(hi)]["overhead_s"] - fixed) / (hi - lo)
+        linear = fixed + slope * (64 - lo)
+        lines += [
+            "",
+            f"**What grows with the number of nodes.** Here the overhead goes from {_s(fixed)} s at N={lo} to "
+            f"{_s(sec['stats'][str(hi)]['overhead_s'])} s at N={hi}, {_s(slope)} s per added node. Most of it is "
+            "fixed: spark-submit and the driver JVM, the SparkContext, and on a standalone cluster an executor "
+            "JVM started per application (a Worker launches it once the application registers: about 7 s to "
+            "a registered executor on this loaded machine, then the Python worker, `import torch` and the "
+            "task), the run channel and the stops at the end. The parts that grow with N:",
+            "",
+            "- *Spark scheduling of N barrier tasks*: the stage starts only when all N slots are free; the driver "
+            "serializes and sends each task (a few ms each), and each executor is a JVM started for the "
+            "application, so the launch waits for the slowest of N executors and their Python workers. On this "
+            "2-core machine the N executor JVMs and N Python workers importing torch start at once on 2 cores: "
+            "most of the per-node growth measured here is that CPU contention, which N separate machines do not have.",
+            "- *The endpoint exchange*: task 0's rendezvous address reaches the other tasks through the run channel "
+            "(O(N) small messages through the driver), not a Spark `allGather`, which polls once a second.",
+            "- *torchrun's rendezvous*: static, node rank = partition id; each agent registers with the TCPStore on "
+            "node 0 (O(N) store operations, milliseconds). `init_process_group` afterwards costs the same as under "
+            "raw torchrun (gloo opens a connection per rank pair, NCCL bootstraps a ring), so it is no overhead of "
+            "ours.",
+            "- *Log-channel fan-in*: every rank and agent holds one authenticated connection to the driver (one "
+            "thread each); every printed line goes driver stdout → spark-submit → Airflow's log, about 10k "
+            "lines/s at most. Connecting is milliseconds per rank; a chatty run (every rank logging every step) "
+            "is what would saturate it, not the launch.",
+            "",
+            f"**Estimate at 64 nodes x 8 GPUs** (512 ranks). A straight line through these points gives "
+            f"{_s(linear, 0)} s, an upper bound, because the slope measured here is mostly CPU contention on one "
+            "2-core box. On 64 real hosts the fixed part stays (about "
+            f"{_s(fixed, 0)} s), executors start in parallel (the slowest of 64 adds perhaps 1-2 s over the "
+            "median), scheduling 64 barrier tasks and the endpoint messages cost well under 0.5 s, 64 static "
+            "rendezvous registrations and 576 channel connections a few tens of ms, and the 8 ranks per node fork "
+            "in parallel on every node. So about "
+            f"{_s(fixed + 1.5, 0)}-{_s(fixed + 3, 0)} s more than torchrun on the same 64 nodes, whose own "
+            "rendezvous and NCCL start-up for 512 ranks already take several seconds: a smaller ratio than here. "
+            "What would not scale is a slot check that waits for the cluster: the stage needs all 64 slots at "
+            "once, and a busy cluster makes it wait (it says so in the log).",
         ]
     return lines + [""]
 
@@ -356,6 +454,7 @@ def render(results: dict[str, Any]) -> str:
         ("throughput", _throughput),
         ("failure_latency", _failure),
         ("output_roundtrip", _output),
+        ("scaling", _scaling),
     ):
         if key == "launch_changes":
             lines += _launch_changes(results)
