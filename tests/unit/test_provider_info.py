@@ -52,6 +52,7 @@ def test_provider_info_classes_and_modules_import() -> None:
 def test_connection_form_declares_the_master_web_ui_field() -> None:
     """Airflow's UI builds the "PyTorch on Spark" form from provider info alone (no hook import)."""
     from airflow.providers_manager import ProvidersManager
+    from airflow.sdk.providers_manager_runtime import ProvidersManagerTaskRuntime
 
     manager = ProvidersManager()
     widgets = manager.connection_form_widgets
@@ -62,9 +63,10 @@ def test_connection_form_declares_the_master_web_ui_field() -> None:
     behaviour = manager.field_behaviours["torchdist_spark"]
     assert behaviour["relabeling"] == {"host": "Master"}
     assert "extra" in behaviour["hidden_fields"]
-    assert manager.hooks["torchdist_spark"].hook_name == "PyTorch on Spark"
+    hooks = ProvidersManagerTaskRuntime().hooks
+    assert hooks["torchdist_spark"].hook_name == "PyTorch on Spark"
     # The Spark provider's own "spark" type is left as it is.
-    assert manager.hooks["spark"].package_name == "apache-airflow-providers-apache-spark"
+    assert hooks["spark"].package_name == "apache-airflow-providers-apache-spark"
 
 
 def test_torchdist_spark_connection_resolves_like_a_spark_one(monkeypatch) -> None:
