@@ -65,12 +65,13 @@ def test_rank_killed_once_resumes_after_restart_from_latest_checkpoint(tmp_path:
 def test_rank_killed_by_signal_fails_run_naming_rank_host_and_signal(
     local_mode: bool, tmp_path: Path
 ) -> None:
-    started = time.monotonic()
     with pytest.raises(TrainingFailed) as info:
         TorchDistributorHook(num_processes=2, local_mode=local_mode, checkpoint_dir=str(tmp_path)).run(
             train_with_checkpoints, 10, 2, 1
         )
-    assert time.monotonic() - started < 30
+    # From the kill (rank 1 touches the marker just before it SIGKILLs itself) to the task's failure,
+    # spark-submit and every process gone: start-up is not part of it.
+    assert time.time() - (tmp_path / "killed-once").stat().st_mtime < 30
     assert info.value.failed_ranks[0] == 1  # the root cause first, before peers that lost it
     message = str(info.value)
     # Either rank 1's agent saw the SIGKILL itself, or (local mode, one agent for both ranks) the agent saw both
