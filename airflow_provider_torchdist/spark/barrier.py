@@ -43,7 +43,21 @@ def gpu_environment(spec: JobSpec, task_gpus: list[str] | None) -> dict[str, str
     return {"CUDA_VISIBLE_DEVICES": ",".join(devices)}
 
 
-def barrier_task(spec: JobSpec, channel_address: tuple[str, int], _: Iterator[int]) -> Iterator[str]:
+def shared_output_dir(driver_output_dir: str | None) -> str | None:
+    """The driver's output directory when it is on this machine's filesystem too, else None.
+
+    Its name is random and private to the run (0700), so finding it writable here means the driver
+    shares this filesystem (an executor on the driver's machine, or shared storage): rank 0 then
+    writes its value there in place, instead of streaming it over the channel.
+    """
+    if driver_output_dir and os.path.isdir(driver_output_dir) and os.access(driver_output_dir, os.W_OK):
+        return driver_output_dir
+    return None
+
+
+def barrier_task(
+    spec: JobSpec, channel_address: tuple[str, int], driver_output_dir: str | None, _: Iterator[int]
+) -> Iterator[str]:
     """Rendezvous with the other tasks, then run this node's ranks with torchrun's agent.
 
     Task 0's address is the rendezvous endpoint: task 0 reports its host and a port that was free
@@ -84,6 +98,7 @@ def barrier_task(spec: JobSpec, channel_address: tuple[str, int], _: Iterator[in
             host=host,
             master=master,
             task_cpus=ctx.cpus(),
+            output_dir=shared_output_dir(driver_output_dir) if node == 0 else None,
         )
     except Exception as exc:
         failures = [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]

@@ -79,7 +79,7 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
             try:
                 with watch:
                     results = stage.mapPartitions(
-                        functools.partial(barrier_task, spec, channel.address)
+                        functools.partial(barrier_task, spec, channel.address, str(staging))
                     ).collect()
             except Exception as exc:
                 results = []

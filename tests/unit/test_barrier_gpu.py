@@ -73,3 +73,13 @@ def test_preset_that_hides_the_assignment_is_a_clear_error(no_preset):
     no_preset.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(RuntimeError, match=r"CUDA_VISIBLE_DEVICES='3' leaves \[\]"):
         gpu_environment(_spec(), ["0", "1"])
+
+
+def test_rank_zero_writes_in_place_only_where_the_drivers_output_dir_is_reachable(tmp_path) -> None:
+    from airflow_provider_torchdist.spark.barrier import shared_output_dir
+
+    private = tmp_path / "torchdist-abc123"
+    private.mkdir(mode=0o700)
+    assert shared_output_dir(str(private)) == str(private)  # the driver's machine, or shared storage
+    assert shared_output_dir(str(tmp_path / "torchdist-elsewhere")) is None  # another host: the channel
+    assert shared_output_dir(None) is None
