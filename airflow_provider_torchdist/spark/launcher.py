@@ -146,19 +146,6 @@ def launch_node(
     driver's output directory when this node runs on the driver (rank 0 writes its value there).
     """
     nproc = spec.num_processes if master is None else spec.nproc_per_node
-    if spec.use_gpu and master is None:
-        import torch
-
-        if torch.cuda.device_count() < nproc:
-            return [
-                RankFailure(
-                    rank=None,
-                    host=host,
-                    exc_type="RuntimeError",
-                    message=f"use_gpu=True with local_mode needs {nproc} GPU(s) on the driver, one per rank; "
-                    f"torch sees {torch.cuda.device_count()}. Lower num_processes or run with use_gpu=False.",
-                )
-            ]
     os.environ.update(rank_environment(spec, host, nproc, task_cpus))
     # With the rendezvous store shared with the ranks, a restarted group reads the dead group's
     # gloo addresses from it and cannot connect; a fresh store per round avoids that.
