@@ -64,8 +64,8 @@ def test_a_retried_stage_never_gets_the_endpoint_of_the_attempt_before(channel):
     assert got == [("h1", 2)]
 
 
-def test_waiting_ends_with_an_error_when_a_node_fails_first(channel):
-    waiter = _client(channel)
+def _wait_in_thread(waiter) -> tuple[threading.Thread, list[str]]:
+    """``wait_for_master`` in a thread; the errors it raised are collected in the list."""
     errors: list[str] = []
 
     def wait() -> None:
@@ -76,6 +76,12 @@ def test_waiting_ends_with_an_error_when_a_node_fails_first(channel):
 
     thread = threading.Thread(target=wait)
     thread.start()
+    return thread, errors
+
+
+def test_waiting_ends_with_an_error_when_a_node_fails_first(channel):
+    waiter = _client(channel)
+    thread, errors = _wait_in_thread(waiter)
     time.sleep(0.1)
     _client(channel, node=0).failures(
         [RankFailure(rank=None, host="h0", exc_type="RuntimeError", message="no GPU")]
@@ -92,18 +98,8 @@ def test_waiting_times_out_with_a_message_naming_task0(channel):
 
 def test_waiters_are_released_when_the_driver_closes(tmp_path):
     ch = fast_shutdown(RunChannel(TOKEN, "127.0.0.1", tmp_path, out=io.StringIO()))
-    errors: list[str] = []
     with ch:
-        waiter = _client(ch)
-
-        def wait() -> None:
-            try:
-                waiter.wait_for_master(30)
-            except RuntimeError as exc:
-                errors.append(str(exc))
-
-        thread = threading.Thread(target=wait)
-        thread.start()
+        thread, errors = _wait_in_thread(_client(ch))
         time.sleep(0.1)
     thread.join(5)
     assert errors and ("shutting down" in errors[0] or "closed" in errors[0])
