@@ -1,6 +1,7 @@
 """Run a PyTorch training callable or script as a distributed job on Spark, from Airflow.
 
 Public names: :class:`TorchDistributorOperator`, :class:`TorchDistributorHook`, :func:`load_output`,
+:func:`output_origin`,
 and for training code :func:`report`, :func:`save_checkpoint`, :func:`load_latest_checkpoint`
 and :func:`checkpoint_dir`.
 They load lazily, so the Spark side (``airflow_provider_torchdist.spark``), which ships to the
@@ -19,6 +20,7 @@ __all__ = [
     "checkpoint_dir",
     "load_latest_checkpoint",
     "load_output",
+    "output_origin",
     "report",
     "save_checkpoint",
 ]
@@ -27,6 +29,7 @@ _LAZY = {
     "TorchDistributorOperator": "airflow_provider_torchdist.operators.torch_distributor",
     "TorchDistributorHook": "airflow_provider_torchdist.hooks.torch_distributor",
     "load_output": "airflow_provider_torchdist.results",
+    "output_origin": "airflow_provider_torchdist.results",
     "report": "airflow_provider_torchdist.spark.metrics",
     "checkpoint_dir": "airflow_provider_torchdist.spark.checkpoints",
     "save_checkpoint": "airflow_provider_torchdist.spark.checkpoints",
@@ -36,7 +39,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
     from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
-    from airflow_provider_torchdist.results import load_output
+    from airflow_provider_torchdist.results import load_output, output_origin
     from airflow_provider_torchdist.spark.checkpoints import (
         checkpoint_dir,
         load_latest_checkpoint,

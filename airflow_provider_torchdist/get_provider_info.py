@@ -41,6 +41,13 @@ def get_provider_info() -> dict[str, Any]:
                 "python-modules": ["airflow_provider_torchdist.hooks.torch_distributor"],
             }
         ],
+        # Deferrable operators wait in the triggerer (TorchDistributorOperator(deferrable=True)).
+        "triggers": [
+            {
+                "integration-name": "PyTorch on Spark",
+                "python-modules": ["airflow_provider_torchdist.triggers.torch_distributor"],
+            }
+        ],
         "connection-types": [
             {
                 "connection-type": "torchdist_spark",

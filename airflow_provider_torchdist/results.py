@@ -1,348 +1,285 @@
-"""The output envelope: how rank 0's return value travels through XCom.
+"""The output envelope: how rank 0's return value travels through XCom, signed and bound to its origin.
 
-Airflow 3 XCom holds JSON only (no pickling; bytes, arrays and tensors are refused). So:
+Airflow 3 XCom holds JSON only. So:
 
-- a JSON-native value (None, bool, int, finite float, str, and lists / str-keyed dicts of them)
-  goes to XCom as it is;
-- anything else goes as an envelope, a small dict::
+- a JSON-native value (None, bool, int, finite float, str, lists / str-keyed dicts of them) goes to
+  XCom as it is. Forging one cannot run code: :func:`load_output` returns it unchanged;
+- anything else goes as a version 2 envelope, a small dict::
 
-      {"__torchdist_output__": 1,          # envelope format version
-       "format": "cloudpickle",
-       "type": "torch.Tensor",             # the value's type, for people reading XCom in the UI
-       "size": 1234,                       # bytes of the pickle
-       "data": "<base64 of the pickle>",   # or, above max_xcom_output_bytes, instead of data:
-       "ref": "file:///.../output.pkl",    #   where the pickle was stored (any ObjectStoragePath URI)
-       "sha256": "<hex>",                  #   and its digest
-       "sig": "<hex HMAC-SHA256>"}         # signed with this deployment's key
+      {"__torchdist_output__": 2,
+       "format": "cloudpickle",          # or "json": a JSON value stored by reference
+       "type": "torch.Tensor",           # the value's type, as rank 0 named it
+       "size": 1234,                     # bytes of the encoded value
+       "sha256": "<hex>",                # their digest
+       "data": "<base64>",               # the bytes inline, or, above max_xcom_output_bytes:
+       "ref": "file:///.../output.pkl",  #   where they are stored (any ObjectStoragePath URI)
+       "origin": {"dag_id": ..., "run_id": ..., "task_id": ..., "map_index": -1, "try": 1},
+       "sig": "<hex HMAC-SHA256>"}
 
-:func:`load_output` turns either back into the Python object, so downstream tasks call it on
-whatever they receive. It checks the signature before it unpickles anything: XCom can be written
-through Airflow's REST API, and unpickling what someone else wrote there would run their code.
+The signature (:mod:`airflow_provider_torchdist.signing`) covers a canonical encoding of every
+field but ``data`` (whose digest it covers): version, format, type, size, digest, where the bytes
+are (inline, or the reference), and the origin. :func:`load_output` checks the envelope's shape,
+every field's type, the version, the format and the signature before it decodes anything, and with
+``expect=`` that the value comes from where the caller says it must.
 
-A large output is hashed once on its way: rank 0 hashes its pickle while writing it and the driver
-records that digest beside the file it receives, so the Airflow side signs without reading the file
-again, and moves it into ``output_path`` with a rename when that is on the same filesystem as the
-staging directory. ``load_output`` reads a stored pickle once, hashing as it reads, checks the
-signature, and only then unpickles it from that in-memory copy, letting each part go once it is
-consumed. Rank 0 pickles tensors from their own memory and they are loaded into the buffers the
-unpickler reads them into (:mod:`airflow_provider_torchdist.spark.storage_pickling`), so neither
-side holds the value twice.
-
-The signing key is ``[torchdist] output_signing_key`` in Airflow's configuration (so also the
-``AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY`` variable, ``_CMD`` and ``_SECRET`` forms, or a secrets
-backend). Without one, a random key is created once in ``$AIRFLOW_HOME/torchdist_output_signing.key``
-(mode 0600), which serves an embedded deployment whose processes share ``AIRFLOW_HOME``. Deployments
-on several machines must configure the same key on every worker.
+The Airflow worker never unpickles: rank 0 decided the format, the driver's manifest says it, a
+JSON output is parsed as JSON, and a pickle is signed as bytes. Version 1 envelopes (before 0.2)
+are refused: their signature did not cover every field.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
-import hmac
-import json
-import math
-import os
-import secrets
-from collections import deque
-from collections.abc import Callable
+import re
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import cloudpickle
 
-from airflow_provider_torchdist.spark.jobspec import OUTPUT_DIGEST_SUFFIX
+from airflow_provider_torchdist.output_storage import (
+    VerifiedChunks,
+    local_path,
+    open_stored,
+    store_local,
+    store_remote,
+)
+from airflow_provider_torchdist.signing import sign, signing_key, verify
+from airflow_provider_torchdist.spark.output_store import (
+    FORMAT_JSON,
+    FORMAT_PICKLE,
+    FORMATS,
+    OutputManifest,
+    decode_json,
+    is_json_native,
+)
+
+__all__ = ["OutputSignatureError", "is_json_native", "load_output", "output_origin", "output_to_xcom"]
 
 ENVELOPE_KEY = "__torchdist_output__"
-ENVELOPE_VERSION = 1
-KEY_FILE = "torchdist_output_signing.key"
+ENVELOPE_VERSION = 2
 DEFAULT_MAX_XCOM_OUTPUT_BYTES = 4 * 1024 * 1024
-_COPY_CHUNK = 8 * 1024 * 1024
+ORIGIN_FIELDS = ("dag_id", "run_id", "task_id", "map_index", "try")
+_BASE_FIELDS = {ENVELOPE_KEY, "format", "type", "size", "sha256", "origin", "sig"}
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 class OutputSignatureError(ValueError):
-    """An envelope that this deployment did not sign: refused before anything is unpickled."""
+    """An envelope this deployment did not sign, or not for this reader: refused before decoding."""
 
 
-def is_json_native(value: Any) -> bool:
-    """True when XCom's JSON round trip gives back an equal value of the same types."""
-    # Exact types: a subclass (an IntEnum, say) would come back from JSON as its base type.
-    if value is None or type(value) in (bool, int, str):
-        return True
-    if type(value) is float:
-        return math.isfinite(value)
-    if type(value) is list:
-        return all(is_json_native(v) for v in value)
-    if type(value) is dict:
-        return all(isinstance(k, str) for k in value) and all(is_json_native(v) for v in value.values())
-    return False
-
-
-def signing_key() -> bytes:
-    """This deployment's output signing key (see the module docstring for where it comes from)."""
-    from airflow.configuration import conf
-
-    configured = conf.get("torchdist", "output_signing_key", fallback=None)
-    if configured:
-        return configured.encode()
-    path = Path(os.environ.get("AIRFLOW_HOME", "~/airflow")).expanduser() / KEY_FILE
-    try:
-        return path.read_bytes().strip()
-    except FileNotFoundError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another process made it first
-        return path.read_bytes().strip()
-    with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_hex(32).encode())
-    return path.read_bytes().strip()
-
-
-def _signature(key: bytes, fields: dict[str, Any], digest: str) -> str:
-    signed = "\n".join(
-        [f"v{fields[ENVELOPE_KEY]}", fields["format"], str(fields["size"]), fields.get("ref", ""), digest]
+def _refused(why: str) -> OutputSignatureError:
+    return OutputSignatureError(
+        f"Refusing to load this torchdist output: {why}. It was changed after the training task wrote "
+        "it (XCom can be written through the REST API), its stored file changed, or it comes from a "
+        "deployment with another [torchdist] output_signing_key. Re-run the training task."
     )
-    return hmac.new(key, signed.encode(), hashlib.sha256).hexdigest()
 
 
-def envelope(pickled: bytes, value: Any, key: bytes | None = None) -> dict[str, Any]:
-    """Wrap a pickled value for XCom, inline and signed."""
-    fields: dict[str, Any] = {
-        ENVELOPE_KEY: ENVELOPE_VERSION,
-        "format": "cloudpickle",
-        "type": _type_name(value),
-        "size": len(pickled),
-        "data": base64.b64encode(pickled).decode("ascii"),
+def origin_of(ti: Any) -> dict[str, Any]:
+    """The origin fields of a task instance: where an output it produced comes from."""
+    map_index = getattr(ti, "map_index", -1)
+    return {
+        "dag_id": str(ti.dag_id),
+        "run_id": str(ti.run_id),
+        "task_id": str(ti.task_id),
+        "map_index": -1 if map_index is None else int(map_index),
+        "try": int(ti.try_number),
     }
-    fields["sig"] = _signature(key or signing_key(), fields, hashlib.sha256(pickled).hexdigest())
-    return fields
 
 
-def reference(uri: str, size: int, digest: str, key: bytes | None = None) -> dict[str, Any]:
-    """A signed envelope that points at a pickle stored elsewhere (for outputs too big for XCom)."""
-    fields: dict[str, Any] = {
-        ENVELOPE_KEY: ENVELOPE_VERSION,
-        "format": "cloudpickle",
-        "size": size,
-        "ref": uri,
-        "sha256": digest,
-    }
-    fields["sig"] = _signature(key or signing_key(), fields, digest)
-    return fields
+def _signed_fields(env: dict[str, Any]) -> list[Any]:
+    where = ["data", ""] if "data" in env else ["ref", env["ref"]]
+    origin = [env["origin"][k] for k in ORIGIN_FIELDS]
+    return [
+        "torchdist-output",
+        env[ENVELOPE_KEY],
+        env["format"],
+        env["type"],
+        env["size"],
+        env["sha256"],
+        *where,
+        *origin,
+    ]
 
 
-def _type_name(value: Any) -> str:
-    return f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+def _envelope(fields: dict[str, Any], key: bytes | None) -> dict[str, Any]:
+    env = {ENVELOPE_KEY: ENVELOPE_VERSION, **fields}
+    env["sig"] = sign(key or signing_key(), _signed_fields(env))
+    return env
 
 
-def to_xcom(pickled: bytes | None) -> Any:
-    """What the operator returns (and Airflow pushes to XCom) for rank 0's pickled value."""
-    if pickled is None:
-        return None
-    value = cloudpickle.loads(pickled)
-    return value if is_json_native(value) else envelope(pickled, value)
+def output_to_xcom(
+    path: Path | None,
+    *,
+    origin: dict[str, Any],
+    max_inline_bytes: int,
+    store_uri: str,
+    store_base: str | None = None,
+    key: bytes | None = None,
+) -> Any:
+    """What the operator returns (and Airflow pushes to XCom) for rank 0's output file.
 
-
-def output_to_xcom(path: Path | None, *, max_inline_bytes: int, store_uri: str) -> Any:
-    """Like :func:`to_xcom`, from the output file; above ``max_inline_bytes`` the pickle is stored,
-    never unpickled here, at ``store_uri`` and XCom gets a signed reference.
-
-    The file is moved (a rename) when ``store_uri`` is a local path on the staging directory's
-    filesystem, else streamed there; the digest the run recorded is used when it matches the file.
+    Reads the driver's manifest for the file, never unpickles it: a small JSON output is returned as
+    the value itself, a small pickle inline in a signed envelope, and anything above
+    ``max_inline_bytes`` is stored at ``store_uri`` (moved when local and on the same filesystem)
+    with a signed reference in XCom. ``store_base``: the configured ``output_path`` that
+    ``store_uri`` lies under; no symlink below it is followed.
     """
     if path is None:
         return None
-    size = path.stat().st_size
-    if size <= max_inline_bytes:
-        return to_xcom(path.read_bytes())
+    manifest = OutputManifest.read(path)
+    if manifest is None:
+        raise RuntimeError(
+            f"rank 0's output at {path} has no valid manifest from the driver; it is not used. "
+            "This is a bug or tampering with the run's staging directory."
+        )
+    fields = {
+        "format": manifest.format,
+        "type": manifest.type,
+        "size": manifest.size,
+        "sha256": manifest.sha256,
+        "origin": dict(origin),
+    }
+    if manifest.size <= max_inline_bytes:
+        data = path.read_bytes()
+        if len(data) != manifest.size or hashlib.sha256(data).hexdigest() != manifest.sha256:
+            raise RuntimeError(f"rank 0's output at {path} does not match its manifest; it is not used.")
+        if manifest.format == FORMAT_JSON:
+            value = decode_json(data)
+            # A dict that looks like an envelope would be mistaken for one downstream: wrap it.
+            if is_json_native(value) and not (isinstance(value, dict) and ENVELOPE_KEY in value):
+                return value
+        return _envelope({**fields, "data": base64.b64encode(data).decode("ascii")}, key)
     from airflow.sdk import ObjectStoragePath
 
     dest = ObjectStoragePath(store_uri)
-    digest = recorded_digest(path)
-    local = _local_path(dest)
+    local = local_path(dest)
     if local is not None:
-        local.parent.mkdir(parents=True, exist_ok=True)
-        if digest is None:
-            digest = _file_digest(path)
-        if _move_within_filesystem(path, local):
-            return reference(str(dest), size, digest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    hasher = None if digest else hashlib.sha256()
-    with open(path, "rb") as src, dest.open("wb") as out:
-        while chunk := src.read(_COPY_CHUNK):
-            if hasher:
-                hasher.update(chunk)
-            out.write(chunk)
-    return reference(str(dest), size, digest or hasher.hexdigest())  # type: ignore[union-attr]
+        base = local_path(ObjectStoragePath(store_base)) if store_base else None
+        store_local(path, local, base if base is not None and local.is_relative_to(base) else local.parent)
+    else:
+        store_remote(path, dest)
+    return _envelope({**fields, "ref": str(dest)}, key)
 
 
-def recorded_digest(path: Path) -> str | None:
-    """The sha256 the run recorded for the output file at ``path``, if it still describes that file.
+def _check_shape(value: dict[str, Any]) -> None:
+    """Every field present, of its type, non-empty; nothing unknown. Raises before any crypto or decoding."""
+    version = value.get(ENVELOPE_KEY)
+    if version == 1:
+        raise _refused(
+            "it is a version 1 envelope, written by airflow-provider-torchdist before 0.2, whose signature "
+            "did not cover every field; version 1 is no longer accepted"
+        )
+    if type(version) is not int or version != ENVELOPE_VERSION:
+        raise _refused(
+            f"unknown envelope version {version!r} (this provider reads version {ENVELOPE_VERSION})"
+        )
+    where = {"data"} if "data" in value else {"ref"}
+    if set(value) != _BASE_FIELDS | where:
+        missing = sorted(_BASE_FIELDS | where - set(value))
+        extra = sorted(set(value) - _BASE_FIELDS - where)
+        raise _refused(f"malformed envelope (missing {missing}, unexpected {extra})")
+    if value["format"] not in FORMATS:
+        raise _refused(f"unknown format {value['format']!r}")
+    problems = [
+        name
+        for name, ok in (
+            ("type", isinstance(value["type"], str) and value["type"] != ""),
+            ("size", type(value["size"]) is int and value["size"] >= 0),
+            ("sha256", isinstance(value["sha256"], str) and _HEX64.fullmatch(value["sha256"])),
+            ("sig", isinstance(value["sig"], str) and _HEX64.fullmatch(value["sig"])),
+            ("data", "data" not in value or (isinstance(value["data"], str) and value["data"] != "")),
+            ("ref", "ref" not in value or (isinstance(value["ref"], str) and value["ref"] != "")),
+            ("origin", _origin_ok(value["origin"])),
+        )
+        if not ok
+    ]
+    if problems:
+        raise _refused(f"malformed envelope: bad or empty {', '.join(problems)}")
 
-    The driver writes it beside the pickle (``output.pkl.sha256``) from the digest rank 0 computed
-    while pickling. A record whose size, inode or mtime differ from the file's (a restarted worker
-    group's newer output, say) is ignored, and the file is hashed instead.
-    """
-    try:
-        record = json.loads(path.with_name(path.name + OUTPUT_DIGEST_SUFFIX).read_text())
-        st = path.stat()
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict):
-        return None
-    if [record.get("size"), record.get("ino"), record.get("mtime_ns")] != [
-        st.st_size,
-        st.st_ino,
-        st.st_mtime_ns,
-    ]:
-        return None
-    digest = record.get("sha256")
-    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-        return None
-    return digest
 
-
-def _file_digest(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _local_path(dest: Any) -> Path | None:
-    """The local filesystem path of an ``ObjectStoragePath``, or None for remote storage."""
-    return Path(dest.path) if dest.protocol in ("", "file", "local") else None
-
-
-def _move_within_filesystem(src: Path, dest: Path) -> bool:
-    """Rename ``src`` to ``dest`` (replacing it) when both are on one filesystem; False otherwise."""
-    if os.stat(src.parent).st_dev != os.stat(dest.parent).st_dev:
+def _origin_ok(origin: Any) -> bool:
+    if not isinstance(origin, dict) or set(origin) != set(ORIGIN_FIELDS):
         return False
-    try:
-        os.replace(src, dest)
-    except OSError:  # EXDEV behind a bind mount, or the like: fall back to a copy
-        return False
-    return True
+    strings = all(isinstance(origin[k], str) and origin[k] != "" for k in ("dag_id", "run_id", "task_id"))
+    ints = all(type(origin[k]) is int for k in ("map_index", "try"))
+    return strings and ints and origin["map_index"] >= -1 and origin["try"] >= 0
 
 
-class VerifiedChunks:
-    """A stored pickle read once into chunks, verified, then read by the unpickler chunk by chunk.
+def is_envelope(value: Any) -> bool:
+    """True for anything that claims to be a torchdist envelope (it must then verify)."""
+    return isinstance(value, dict) and ENVELOPE_KEY in value
 
-    Each chunk is let go as soon as the unpickler has consumed it, so the bytes and the object
-    built from them are not both held whole: loading a 1 GB output peaks near 1 GB, not 2 GB.
+
+def output_origin(value: Any) -> dict[str, Any] | None:
+    """Where a verified envelope's value comes from: ``{"dag_id", "run_id", "task_id", "map_index", "try"}``.
+
+    None for a plain JSON value, which carries no origin. Raises :class:`OutputSignatureError` for an
+    envelope that does not verify.
     """
-
-    def __init__(self, chunks: list[bytes]) -> None:
-        self._chunks = deque(chunks)
-        self._pos = 0  # into the first chunk
-
-    @classmethod
-    def from_stream(cls, stream: BinaryIO, size: int, check: Callable[[str], None]) -> VerifiedChunks:
-        """Read exactly ``size`` bytes, hashing them as they arrive; ``check(hexdigest)`` must pass
-        before anything is returned. A stream of another length is refused."""
-        chunks: list[bytes] = []
-        digest = hashlib.sha256()
-        got = 0
-        while got < size:
-            chunk = stream.read(min(_COPY_CHUNK, size - got))
-            if not chunk:
-                break
-            digest.update(chunk)
-            chunks.append(chunk)
-            got += len(chunk)
-        if got != size or stream.read(1):
-            raise OutputSignatureError(
-                _REFUSED + f" (The stored file is not the {size} bytes that were signed.)"
-            )
-        check(digest.hexdigest())
-        return cls(chunks)
-
-    # -- the file interface pickle.load uses -------------------------------------------------------
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        done = 0
-        while done < len(out) and self._chunks:
-            chunk = self._chunks[0]
-            n = min(len(out) - done, len(chunk) - self._pos)
-            out[done : done + n] = memoryview(chunk)[self._pos : self._pos + n]
-            done += n
-            self._pos += n
-            if self._pos == len(chunk):
-                self._chunks.popleft()
-                self._pos = 0
-        return done
-
-    def read(self, size: int = -1) -> bytes:  # type: ignore[override]
-        if size < 0:
-            size = sum(len(c) for c in self._chunks) - self._pos
-        out = bytearray(size)
-        return bytes(out[: self.readinto(out)])
-
-    def readline(self) -> bytes:
-        line = bytearray()
-        while self._chunks:
-            chunk = self._chunks[0]
-            end = chunk.find(b"\n", self._pos)
-            stop = len(chunk) if end < 0 else end + 1
-            line += chunk[self._pos : stop]
-            self._pos = stop
-            if self._pos == len(chunk):
-                self._chunks.popleft()
-                self._pos = 0
-            if end >= 0:
-                break
-        return bytes(line)
+    if not is_envelope(value):
+        return None
+    _check_shape(value)
+    if not verify(signing_key(), _signed_fields(value), value["sig"]):
+        raise _refused("its signature does not match this deployment's key")
+    return dict(value["origin"])
 
 
-_REFUSED = (
-    "Refusing to unpickle this torchdist output: its signature does not match this deployment's "
-    "key. It was changed after the training task wrote it (XCom can be written through the REST "
-    "API), its stored file changed, or it comes from a deployment with another "
-    "[torchdist] output_signing_key. Re-run the training task."
-)
-
-
-def load_output(value: Any) -> Any:
+def load_output(value: Any, expect: dict[str, Any] | None = None) -> Any:
     """Rank 0's return value, as the same Python object, from what XCom handed a downstream task.
 
-    Plain JSON values come back unchanged; an envelope's signature is checked, then it is decoded
-    (following its reference for large outputs).
+    Plain JSON values come back unchanged. An envelope is checked (shape, types, version, format,
+    signature, and with ``expect`` its origin), then decoded, following its reference for large
+    outputs. ``expect`` holds origin fields the value must have come from, e.g.
+    ``{"dag_id": "retrain", "run_id": context["run_id"]}``: an envelope replayed from another run is
+    refused. A plain JSON value has no origin, so ``expect`` refuses it too.
 
     Example::
 
         @task
-        def evaluate(value):
-            model_state = load_output(value)
+        def evaluate(value, run_id=None):
+            model_state = load_output(value, expect={"run_id": run_id})
     """
-    if not (isinstance(value, dict) and ENVELOPE_KEY in value):
+    if not is_envelope(value):
+        if expect:
+            raise OutputSignatureError(
+                "This value is plain JSON, not a signed torchdist envelope, so where it comes from cannot "
+                f"be checked against expect={expect!r}. Plain JSON outputs are not signed (forging one "
+                "cannot run code); call load_output without expect to take it as it is."
+            )
         return value
-    version = value.get(ENVELOPE_KEY)
-    if version != ENVELOPE_VERSION or value.get("format") != "cloudpickle":
-        raise ValueError(
-            f"Unsupported torchdist output envelope (version {version!r}, format {value.get('format')!r}); "
-            "upgrade airflow-provider-torchdist where this task runs."
-        )
-    key = signing_key()
+    origin = output_origin(value)
+    assert origin is not None
+    for field, wanted in (expect or {}).items():
+        if field not in ORIGIN_FIELDS:
+            raise ValueError(f"expect has an unknown field {field!r}; use some of {list(ORIGIN_FIELDS)}")
+        if origin[field] != wanted:
+            raise OutputSignatureError(
+                f"Refusing this torchdist output: it comes from {field}={origin[field]!r}, not the expected "
+                f"{wanted!r} (origin {origin}). An output of another run was put in this XCom."
+            )
+    size, digest = value["size"], value["sha256"]
 
-    def check(digest: str) -> None:
-        expected = _signature(key, value, digest) if "size" in value else ""
-        if not isinstance(value.get("sig"), str) or not hmac.compare_digest(value["sig"], expected):
-            raise OutputSignatureError(_REFUSED)
+    def check(actual: str) -> None:
+        if actual != digest:
+            raise _refused("its bytes do not match the signed digest")
 
-    if "ref" not in value:
-        pickled = base64.b64decode(value.get("data", ""))
-        check(hashlib.sha256(pickled).hexdigest())
-        return cloudpickle.loads(pickled)
-    size = value.get("size")
-    if not isinstance(size, int) or size < 0:
-        raise OutputSignatureError(_REFUSED)
-    # The signature covers ref, size and digest: refuse a forged reference before opening anything.
-    check(str(value.get("sha256", "")))
+    if "data" in value:
+        try:
+            data = base64.b64decode(value["data"], validate=True)
+        except (binascii.Error, ValueError):
+            raise _refused("its data is not valid base64") from None
+        if len(data) != size:
+            raise _refused("its data is not the size that was signed")
+        check(hashlib.sha256(data).hexdigest())
+        return decode_json(data) if value["format"] == FORMAT_JSON else cloudpickle.loads(data)
     from airflow.sdk import ObjectStoragePath
 
-    stored = ObjectStoragePath(value["ref"])
-    local = _local_path(stored)
-    with open(local, "rb", buffering=0) if local is not None else stored.open("rb") as stream:
-        verified = VerifiedChunks.from_stream(stream, size, check)
+    with open_stored(ObjectStoragePath(value["ref"])) as stream:
+        verified = VerifiedChunks.from_stream(stream, size, check, _refused)
+    if value["format"] == FORMAT_JSON:
+        return decode_json(verified.read())
+    assert value["format"] == FORMAT_PICKLE
     return cloudpickle.load(verified)

@@ -23,17 +23,37 @@ from typing import Any
 import cloudpickle
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, PayloadNotPicklable
-from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE, PAYLOAD_FILE, JobSpec
+from airflow_provider_torchdist.spark.jobspec import (
+    OUTCOME_FILE,
+    OUTPUT_FILE,
+    PAYLOAD_FILE,
+    SPEC_FILE,
+    JobSpec,
+)
+from airflow_provider_torchdist.spark.output_store import MANIFEST_SUFFIX
+from airflow_provider_torchdist.spec import TrainingSpec
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SPARK_ZIP = "torchdist_spark.zip"
 DRIVER_SCRIPT = "torchdist_driver.py"
-# exit_now: the driver leaves without the interpreter's teardown (0.4 s with torch loaded).
 _DRIVER_SOURCE = (
-    "import sys\n"
-    "from airflow_provider_torchdist.spark.driver import exit_now, main\n"
-    "exit_now(main(sys.argv))\n"
+    "import sys\nfrom airflow_provider_torchdist.spark.driver import run_and_exit\nrun_and_exit(sys.argv)\n"
 )
+#: The names this provider writes into a staging directory (and ships to the executors' working
+#: directories): a script of one of these names would overwrite them, or they it.
+STAGED_FILE_NAMES = frozenset(
+    {
+        SPEC_FILE,
+        PAYLOAD_FILE,
+        OUTPUT_FILE,
+        OUTPUT_FILE + MANIFEST_SUFFIX,
+        OUTCOME_FILE,
+        SPARK_ZIP,
+        DRIVER_SCRIPT,
+    }
+)
+#: Characters Spark reads in a ``--files`` entry: ``,`` separates entries and ``#`` renames the file.
+_SPARK_FILES_SPECIAL = (",", "#")
 
 
 @dataclass
@@ -53,6 +73,51 @@ class StagedRun:
 
     def cleanup(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _spark_files_special(text: str) -> str:
+    """The characters of ``text`` that spark-submit's ``--files`` would not take literally."""
+    return " and ".join(repr(c) for c in _SPARK_FILES_SPECIAL if c in text)
+
+
+def check_script_name(path: str) -> None:
+    """A script path must name a ``.py`` file that can travel with ``--files`` under its own name.
+
+    Checked when the DAG is parsed (operator) and again before staging (hook): a name with ``,``
+    or ``#`` would be split or renamed by Spark, and one of :data:`STAGED_FILE_NAMES` would collide
+    with the provider's own files.
+    """
+    name = Path(path).name
+    if not name.endswith(".py"):
+        raise InvalidTrainingConfig(
+            f"train_object script {path!r} is not a .py file: give the path of a Python training "
+            "script whose name ends in .py (it runs like torchrun script.py), or pass a callable."
+        )
+    special = _spark_files_special(name)
+    if special:
+        raise InvalidTrainingConfig(
+            f"train_object script name {name!r} contains {special}: spark-submit's --files splits its "
+            "list on ',' and Spark reads '#' as 'rename to', so the script would not arrive under its "
+            "name. Rename the file without those characters."
+        )
+    if name.casefold() in {n.casefold() for n in STAGED_FILE_NAMES}:
+        raise InvalidTrainingConfig(
+            f"train_object script name {name!r} is the name of one of this provider's own staged files "
+            f"({', '.join(sorted(STAGED_FILE_NAMES))}): it would collide with it in the staging directory "
+            "and in the executors' working directories. Rename the script."
+        )
+
+
+def check_staging_dir(base_dir: str | None) -> None:
+    """The staging directory's path is part of every ``--files`` and ``--py-files`` entry."""
+    path = os.path.abspath(base_dir or tempfile.gettempdir())
+    special = _spark_files_special(path)
+    if special:
+        raise InvalidTrainingConfig(
+            f"staging_dir {path!r} contains {special}: spark-submit's --files and --py-files split their "
+            "lists on ',' and Spark reads '#' as 'rename to', so the staged files would not arrive. "
+            "Set staging_dir (or TMPDIR) to a directory without those characters."
+        )
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -158,6 +223,7 @@ def _spark_zip(dest: Path) -> None:
     """Zip the Spark side of this package for ``--py-files``: the cluster installs nothing."""
     with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED) as zf:
         zf.write(PACKAGE_DIR / "__init__.py", "airflow_provider_torchdist/__init__.py")
+        zf.write(PACKAGE_DIR / "spec.py", "airflow_provider_torchdist/spec.py")  # JobSpec's base
         for path in sorted((PACKAGE_DIR / "spark").glob("*.py")):
             zf.write(path, f"airflow_provider_torchdist/spark/{path.name}")
     os.chmod(dest, 0o600)
@@ -169,17 +235,24 @@ def stage_run(
     kwargs: dict[str, Any],
     *,
     base_dir: str | None = None,
-    **spec_fields: Any,
+    training: TrainingSpec | None = None,
+    **run_fields: Any,
 ) -> StagedRun:
     """Check and pickle the work, then write everything a run needs into a fresh private directory.
 
-    Raises before anything is written when a script is missing or the payload cannot be pickled.
+    The job spec is ``training``'s cluster settings plus the run's identity; ``run_fields`` adds
+    run-time values (the effective ``slot_timeout``) or, for tests, settings.
+
+    Raises before anything is written when a script is missing or misnamed, the staging directory's
+    path cannot travel with ``--files``, or the payload cannot be pickled.
     """
+    check_staging_dir(base_dir)
     if callable(train_object):
         kind, entry, data = "callable", PAYLOAD_FILE, pickle_payload(train_object, args, kwargs)
         script_args: list[str] = []
     else:
         script = Path(train_object).expanduser()
+        check_script_name(str(train_object))
         if not script.is_file():
             raise InvalidTrainingConfig(
                 f"train_object script {str(train_object)!r} does not exist on this Airflow worker "
@@ -194,13 +267,14 @@ def stage_run(
     staging = Path(tempfile.mkdtemp(prefix="torchdist-", dir=base_dir))
     try:
         _write_private(staging / entry, data)
-        spec = JobSpec(
+        spec = JobSpec.for_run(
+            training or TrainingSpec(),
             kind=kind,
             entry=entry,
             script_args=script_args,
             run_id=staging.name.removeprefix("torchdist-") + secrets.token_hex(4),
             token=secrets.token_urlsafe(32),
-            **spec_fields,
+            **run_fields,
         )
         spec_path = spec.write(staging)
         os.chmod(spec_path, 0o600)

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
+from airflow_provider_torchdist.staging import check_script_name
+
+#: More ranks than any Spark cluster could schedule as one barrier stage: a typo, not a job.
+MAX_NUM_PROCESSES = 100_000
+#: More ranks than one machine (one Spark task, or the driver in local mode) could sensibly run.
+MAX_NPROC_PER_NODE = 1024
+#: The longest timeout accepted, in seconds (a week): each bounds a wait that means something is wrong.
+MAX_TIMEOUT_S = 7 * 24 * 3600
+_ASCII_INT = re.compile(r"-?[0-9]+")
+_ASCII_NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
 
 
 def is_template(value: Any) -> bool:
@@ -15,14 +27,53 @@ def is_template(value: Any) -> bool:
 
 
 def check_int(value: Any, field: str, minimum: int = 1) -> int:
-    """An integer >= ``minimum``; a rendered template like ``"2"`` counts as the integer 2."""
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    """An integer >= ``minimum``; a rendered template like ``"2"`` counts as the integer 2.
+
+    Only ASCII digits: ``str.isdigit()`` and ``int()`` also take ``"２"`` or ``"٣"``, which no one
+    types on purpose into a DAG.
+    """
+    if isinstance(value, str) and _ASCII_INT.fullmatch(value.strip()):
         value = int(value.strip())
+    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        raise InvalidTrainingConfig(
+            f"{field} must be an integer >= {minimum} written with ASCII digits 0-9, got {value!r}"
+        )
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidTrainingConfig(f"{field} must be an integer >= {minimum}, got {value!r}")
     if value < minimum:
         raise InvalidTrainingConfig(f"{field} must be an integer >= {minimum}, got {value}")
     return value
+
+
+def check_at_most(value: int, field: str, maximum: int, why: str) -> int:
+    """An upper bound on a checked integer; ``why`` says what the field means and what to do."""
+    if value > maximum:
+        raise InvalidTrainingConfig(f"{field}={value} is more than {maximum}: {why}")
+    return value
+
+
+def check_timeout(value: Any, field: str, *, integer: bool) -> int | float:
+    """Seconds to wait: a finite number > 0 (an integer >= 1 when ``integer``), at most a week.
+
+    NaN, infinity and negative numbers would otherwise reach the driver and make it wait forever,
+    or not at all. Strings of ASCII digits (``"300"``, ``"2.5"``) count as the number.
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        if _ASCII_INT.fullmatch(text):
+            value = int(text)
+        elif not integer and _ASCII_NUMBER.fullmatch(text):
+            value = float(text)
+    kind = "a whole number of seconds >= 1" if integer else "a finite number of seconds > 0"
+    numeric = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, numeric) or not math.isfinite(value) or value <= 0:
+        raise InvalidTrainingConfig(f"{field} must be {kind}, got {value!r}")
+    if value > MAX_TIMEOUT_S:
+        raise InvalidTrainingConfig(
+            f"{field} must be at most {MAX_TIMEOUT_S} seconds (a week), got {value!r}: it bounds a wait "
+            "that means something is wrong, and a longer one would hide a hung run."
+        )
+    return value if integer else float(value)
 
 
 def check_bool(value: Any, field: str) -> bool:
@@ -41,6 +92,7 @@ def check_train_object(value: Any) -> Callable[..., Any] | str:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if isinstance(value, str) and value.strip():
+        check_script_name(value)
         return value
     raise InvalidTrainingConfig(
         f"train_object must be a callable or the path of a .py training script, got {type(value).__name__}: "
@@ -50,9 +102,29 @@ def check_train_object(value: Any) -> Callable[..., Any] | str:
 
 def check_topology(num_processes: Any, nproc_per_node: Any, local_mode: Any) -> tuple[int, int, bool]:
     """``num_processes`` is the total; in distributed mode it must split evenly across nodes."""
-    num_processes = check_int(num_processes, "num_processes")
-    nproc_per_node = check_int(nproc_per_node, "nproc_per_node")
+    num_processes = check_at_most(
+        check_int(num_processes, "num_processes"),
+        "num_processes",
+        MAX_NUM_PROCESSES,
+        "more ranks than any Spark cluster could schedule as one barrier stage. num_processes is the "
+        "total number of ranks (the world size); give the number you mean.",
+    )
+    nproc_per_node = check_at_most(
+        check_int(nproc_per_node, "nproc_per_node"),
+        "nproc_per_node",
+        MAX_NPROC_PER_NODE,
+        "more ranks than one machine could run. nproc_per_node is the number of ranks per Spark task "
+        "(usually the GPUs or cores of one executor); give the number you mean.",
+    )
     local_mode = check_bool(local_mode, "local_mode")
+    if local_mode:
+        check_at_most(
+            num_processes,
+            "num_processes",
+            MAX_NPROC_PER_NODE,
+            "local_mode=True runs every rank on the Spark driver (this Airflow worker), one machine. "
+            "Use local_mode=False to spread the ranks over a cluster, or fewer processes.",
+        )
     if not local_mode and num_processes % nproc_per_node:
         raise InvalidTrainingConfig(
             f"num_processes={num_processes} is not divisible by nproc_per_node={nproc_per_node}: "
@@ -98,3 +170,51 @@ def check_unencrypted_allowed(conf: Mapping[str, Any] | None, allow_unencrypted:
             "encrypted, so training data and gradients would cross the network in the clear. Run on a "
             "network you trust and pass allow_unencrypted=True to accept this."
         )
+
+
+def _local_dir(value: Any, field: str) -> tuple[str | None, str | None]:
+    """``(path, None)`` for a plain path or ``file:///`` URI, ``(None, scheme)`` for another URI.
+
+    A plain path must be absolute: a relative one would depend on the working directory of each
+    process that uses it (the Airflow worker, the Spark driver, every rank). ``file://`` URIs are
+    read as fsspec (``ObjectStoragePath``) reads them: the rest is the path, nothing is unquoted.
+    """
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidTrainingConfig(f"{field} must be an absolute path, got {value!r}")
+    scheme, sep, rest = value.partition("://")
+    if sep and scheme.lower() != "file":
+        return None, scheme
+    path = rest if sep else value
+    if not os.path.isabs(path):
+        hint = (
+            "Write file:///absolute/path (three slashes; a host name is not supported)"
+            if sep
+            else "Give an absolute path" + (" (~ is not expanded)" if path.startswith("~") else "")
+        )
+        raise InvalidTrainingConfig(
+            f"{field} {value!r} is not an absolute path: it would depend on the working directory of "
+            f"each process that uses it (the Airflow worker, the Spark driver, every rank). {hint}."
+        )
+    return path, None
+
+
+def checkpoint_dir_path(value: Any) -> str:
+    """The absolute local path ``checkpoint_dir`` names (a path or ``file:///`` URI).
+
+    Other URIs are refused: the checkpoint helpers write and read plain local paths.
+    """
+    path, scheme = _local_dir(value, "checkpoint_dir")
+    if path is None:
+        raise InvalidTrainingConfig(
+            f"checkpoint_dir {value!r} is a {scheme}:// URI, but the checkpoint helpers (save_checkpoint, "
+            "load_latest_checkpoint) read and write local paths. Give an absolute path (on a multi-host "
+            "cluster, on storage every host mounts, such as NFS) or a file:/// URI."
+        )
+    return path
+
+
+def output_dir_path(value: Any) -> str | None:
+    """The absolute local path ``output_path`` names, or None for remote storage (``s3://...``)."""
+    return _local_dir(value, "output_path")[0]

@@ -92,14 +92,14 @@ class Sample:
     tail: str = field(default="", repr=False)
 
 
-def run_timed(cmd: Sequence[str], env: dict[str, str], timeout: float = 600.0) -> Sample:
+def run_timed(cmd: Sequence[str], env: dict[str, str], timeout: float = 600.0, cwd: Path = REPO) -> Sample:
     """Run ``cmd`` to its end; wall time from just before the fork to just after the exit.
 
     Output is captured (not echoed); a ``RESULT {json}`` line, if printed, is parsed into ``result``.
     """
     load_before = loadavg()
     start = time.perf_counter()
-    proc = subprocess.run(list(cmd), env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(list(cmd), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - start
     output = proc.stdout + proc.stderr
     result = None

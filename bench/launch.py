@@ -1,6 +1,16 @@
 """Launch overhead: the trivial 2-rank DDP workload through every launcher, interleaved.
 
-Usage: ``python bench/launch.py [--rounds 3] [--quick] [--only NAME ...]``
+Usage: ``python bench/launch.py [--rounds 3] [--quick] [--only NAME ...] [--baseline REV] [--fast-start]``
+
+``--baseline REV`` adds the hook variants once more with the provider as it was at git revision
+``REV`` (checked out into a temporary worktree, first on ``PYTHONPATH``), interleaved with the
+others: a change's launch cost against the code before it, measured in the same run.
+
+``--fast-start`` measures what each start-up acceleration of ``fast_start.py`` saves now: raw
+torchrun, ``hook_distributed``, and ``hook_distributed`` with one part switched off at a time
+(``TORCHDIST_FAST_START_OFF=jvm``, ``spark_home``, ``exit``) and with all three off, interleaved.
+A part's saving is the median over rounds of (its variant minus ``hook_distributed`` in the same
+round). Written to its own section, ``fast_start``.
 
 Each round runs every variant once, in order (A B C ... A B C ...), after one uncounted warm-up
 round, so drifting machine load hits all variants alike. Each sample is a fresh process tree,
@@ -12,15 +22,18 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from common import (
     BIN,
     PYTHON,
+    REPO,
     WORKLOADS,
     bench_env,
     log,
@@ -42,6 +55,20 @@ class Variant:
     label: str
     command: Callable[[], list[str]]
     check: Callable[[dict[str, Any] | None], bool] = lambda result: True
+    #: Environment on top of the benchmark's (the baseline's PYTHONPATH).
+    env: dict[str, str] = field(default_factory=dict)
+    #: Working directory: the baseline's tree, so that no process of it imports this checkout's
+    #: provider from its current directory (Spark's Python workers have it on their path).
+    cwd: Path = REPO
+
+
+def baseline_variants(rev: str, tree: Path) -> list[Variant]:
+    """The hook variants again, importing the provider from ``tree`` (a worktree of ``rev``)."""
+    return [
+        Variant(f"{v.name}@base", f"{v.label}, at {rev}", v.command, v.check, {"PYTHONPATH": str(tree)}, tree)
+        for v in VARIANTS
+        if v.name in ("hook_local", "hook_distributed")
+    ]
 
 
 def _value_ok(result: dict[str, Any] | None) -> bool:
@@ -94,6 +121,13 @@ VARIANTS = [
         _value_ok,
     ),
     Variant(
+        "hook_supervised",
+        "this project, `TorchDistributorHook.start_run` + `follow` (the operator's path: a "
+        "detached supervisor and its lifeline), local_mode=False",
+        lambda: [PYTHON, str(WORKLOADS / "hook_run.py"), "--distributed", "--supervised"],
+        _value_ok,
+    ),
+    Variant(
         "dag_local",
         "this project, operator in `dag.test()`, local_mode=True",
         lambda: [PYTHON, str(WORKLOADS / "dag_run.py"), "bench_torchdist_local"],
@@ -107,6 +141,55 @@ VARIANTS = [
     ),
 ]
 
+#: The parts of ``fast_start.py`` that ``TORCHDIST_FAST_START_OFF`` switches off (a benchmarking knob).
+FAST_START_PARTS = {
+    "jvm": "driver JVM class-data archive + C1-only JIT",
+}
+#: A part that saves less than this is a candidate for removal (issue 12).
+FAST_START_KEEP_S = 0.5
+
+
+def fast_start_variants() -> list[Variant]:
+    """Raw torchrun, ``hook_distributed``, and ``hook_distributed`` with each part (and all) off."""
+    by_name = {v.name: v for v in VARIANTS}
+    hook = by_name["hook_distributed"]
+    return [
+        by_name["torchrun"],
+        hook,
+        *(
+            Variant(
+                f"hook_distributed-{part}",
+                f"{hook.label}, {what} off (`TORCHDIST_FAST_START_OFF={part}`)",
+                hook.command,
+                hook.check,
+                {"TORCHDIST_FAST_START_OFF": part},
+            )
+            for part, what in FAST_START_PARTS.items()
+        ),
+    ]
+
+
+def fast_start_savings(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per part: what switching it off costs, paired by round against ``hook_distributed``."""
+    on = {s["round"]: s["wall_s"] for s in samples.get("hook_distributed", []) if s["ok"]}
+    savings = {}
+    for part in FAST_START_PARTS:
+        off = {s["round"]: s["wall_s"] for s in samples.get(f"hook_distributed-{part}", []) if s["ok"]}
+        diffs = [round(off[r] - on[r], 3) for r in sorted(off) if r in on]
+        saving = median(diffs)
+        savings[part] = {
+            "median_saving_s": saving,
+            "min_saving_s": min(diffs) if diffs else None,
+            "max_saving_s": max(diffs) if diffs else None,
+            "saving_of_medians_s": (
+                round(median(list(off.values())) - median(list(on.values())), 3) if off and on else None
+            ),
+            "paired_s": diffs,
+            "keep": None if saving is None or part == "all" else saving >= FAST_START_KEEP_S,
+        }
+    return savings
+
+
 #: (numerator, denominator, target, comparison) for each ratio the issue asks about.
 RATIOS = [
     ("hook_distributed", "torchrun", 2.0, "<="),
@@ -118,6 +201,13 @@ RATIOS = [
     ("pyspark_local", "torchrun", None, ""),
     ("pyspark_distributed", "torchrun", None, ""),
     ("spark_empty", "torchrun", None, ""),
+    # The lifeline's launch cost (the run-lifetime issue: within noise): supervised vs in-process.
+    ("hook_supervised", "hook_distributed", None, ""),
+    ("hook_supervised", "torchrun", 2.0, "<="),
+    ("hook_local", "hook_local@base", None, ""),
+    ("hook_distributed", "hook_distributed@base", None, ""),
+    ("hook_local@base", "torchrun", None, ""),
+    ("hook_distributed@base", "torchrun", None, ""),
 ]
 
 
@@ -162,9 +252,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these variants")
     parser.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up round")
     parser.add_argument("--no-save", action="store_true", help="print only: leave latest.json and the README")
+    parser.add_argument("--baseline", metavar="REV", help="also run the hook variants at git revision REV")
+    parser.add_argument(
+        "--fast-start", action="store_true", help="what each part of fast_start.py saves (section fast_start)"
+    )
     args = parser.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
-    variants = [v for v in VARIANTS if not args.only or v.name in args.only]
+    pool = fast_start_variants() if args.fast_start else VARIANTS
+    variants = [v for v in pool if not args.only or v.name in args.only]
+    tree = None
+    if args.baseline:
+        tree = Path(tempfile.mkdtemp(prefix="bench-baseline-")) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.baseline], cwd=REPO, check=True)
+        variants += [
+            v
+            for v in baseline_variants(args.baseline, tree)
+            if v.name.split("@")[0] in {x.name for x in variants}
+        ]
     machine = machine_info()
     log(f"machine: {machine['nproc']} x {machine['cpu_model']}, {machine['mem_gib']} GiB")
     home = make_airflow_home()
@@ -175,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         schedule = ([0] if not args.no_warmup else []) + list(range(1, rounds + 1))
         for round_no in schedule:
             for variant in variants:
-                sample = run_timed(variant.command(), env)
+                sample = run_timed(variant.command(), {**env, **variant.env}, cwd=variant.cwd)
                 ok = sample.rc == 0 and variant.check(sample.result)
                 tag = "warm-up" if round_no == 0 else f"round {round_no}/{rounds}"
                 log(f"{tag} {variant.name}: {sample.wall_s:.2f} s{'' if ok else ' FAILED'}")
@@ -187,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                     samples[variant.name].append({"round": round_no, "ok": ok, **sample_dict(sample)})
     finally:
         shutil.rmtree(home, ignore_errors=True)
+        if tree is not None:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)
     summary = summarize(samples)
     for name, st in summary["stats"].items():
         log(f"{name:22s} median {st['median_s']} s (n={st['n_ok']}/{st['n']})")
@@ -195,11 +301,18 @@ def main(argv: list[str] | None = None) -> int:
             "" if r["target"] is None else (" met" if r["met"] else " MISSED") + f" (target <= {r['target']})"
         )
         log(f"{r['numerator']} / {r['denominator']} = {r['ratio']}{verdict}")
+    if args.fast_start:
+        summary["savings"] = fast_start_savings(samples)
+        for part, sv in summary["savings"].items():
+            log(
+                f"fast start, {part} off: costs {sv['median_saving_s']} s "
+                f"(min {sv['min_saving_s']}, max {sv['max_saving_s']}, per round {sv['paired_s']})"
+            )
     ok = all(s["ok"] for runs in samples.values() for s in runs)
     if args.no_save:
         return 0 if ok else 1
     update_results(
-        "launch",
+        "fast_start" if args.fast_start else "launch",
         {
             "machine": machine,
             "rounds": rounds,

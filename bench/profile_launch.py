@@ -2,16 +2,17 @@
 
 Usage: ``python bench/profile_launch.py [--rounds 3] [--quick]``
 
-Runs ``workloads/hook_traced.py`` (the hook, instrumented from outside the package: see its
+Runs ``workloads/hook_traced.py`` (the hook with ``TORCHDIST_EVENT_LOG`` set, so every process of
+the run appends the package's own phase events to one file; nothing is patched: see its
 docstring) for several variants, interleaved, and splits each run's wall time into consecutive
-phases from its timestamps: the hook process, spark-submit's scripts and launcher JVM, the
-SparkSubmit JVM, the Python driver, SparkContext, the barrier stage's Python workers, the torch
-import, ``allGather``, the torchrun agent, the ranks, and the shutdown. Medians per phase go to
-``bench/results/latest.json`` (section ``profile``).
+phases from those events and the process starts and ends a sampler saw: the hook process,
+spark-submit's scripts and launcher JVM, the SparkSubmit JVM, the Python driver, SparkContext, the
+barrier stage's Python workers, the torch import, the rendezvous, the torchrun agent, the ranks,
+and the shutdown. Medians per phase go to ``bench/results/latest.json`` (section ``profile``).
 
 Variants besides the plain hook: ``fast_jvm_start=False`` (the driver JVM with Spark's own
-defaults: no class-data archive, full JIT), and settings passed through the hook's ``conf``
-(the Spark UI off). The hook's class-data archive is made by the uncounted warm-up run.
+defaults: no class-data archive, full JIT), settings passed through the hook's ``conf``
+(the Spark UI off), and each start-up acceleration off on its own (``TORCHDIST_FAST_START_OFF``). The hook's class-data archive is made by the uncounted warm-up run.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,15 +30,22 @@ from typing import Any
 
 from common import PYTHON, WORKLOADS, bench_env, log, machine_info, median, update_results
 
-#: Phases of a distributed-mode launch: (key, label, start event, end event). Consecutive, so they
-#: add up to the hook's wall time; events are resolved by :func:`timeline`.
+#: Phases of a distributed-mode launch: (key, label, start point, end point). Consecutive, so they
+#: add up to the hook's wall time. A point is a phase event of the package
+#: (:data:`airflow_provider_torchdist.spark.events.PHASES`), a process start or end seen by the
+#: sampler, or a timestamp of the traced process itself; :func:`timeline` resolves them.
 DIST_PHASES = [
     ("hook_import", "hook process: interpreter + import Airflow, hook, cloudpickle", "spawn", "imported"),
-    ("hook_stage", "hook init, connection lookup, staging (pickle, zip)", "imported", "popen"),
+    (
+        "hook_stage",
+        "hook init, connection, checks, staging (pickle, zip), plan",
+        "imported",
+        "spark_submit_start",
+    ),
     (
         "submit_scripts",
         "spark-submit/spark-class scripts, find_spark_home.py, launcher JVM",
-        "popen",
+        "spark_submit_start",
         "launcher_end",
     ),
     (
@@ -45,23 +54,23 @@ DIST_PHASES = [
         "launcher_end",
         "driver_proc",
     ),
-    ("driver_boot", "Python driver: interpreter start + imports", "driver_proc", "driver_imported"),
+    ("driver_boot", "Python driver: interpreter start + package imports", "driver_proc", "driver_start"),
     (
         "driver_pre_sc",
-        "driver: spec, channel, until SparkContext.getOrCreate",
-        "driver_imported",
-        "sc_create",
+        "driver: import pyspark, until SparkContext.getOrCreate",
+        "driver_start",
+        "spark_context_start",
     ),
     (
         "sc_init",
-        "SparkContext start (JVM SparkEnv, UI, executor; py4j; pandas via pyspark)",
-        "sc_create",
-        "sc_up",
+        "SparkContext start (JVM SparkEnv, UI, executor; py4j)",
+        "spark_context_start",
+        "spark_context_up",
     ),
     (
         "job_submit",
-        "slot check, parallelize, pickle task, schedule, start pyspark.daemon",
-        "sc_up",
+        "run channel, slot check, parallelize, pickle task, schedule, start pyspark.daemon",
+        "spark_context_up",
         "daemon_proc",
     ),
     ("worker_boot", "pyspark.daemon start-up until it forks the task's worker", "daemon_proc", "worker_proc"),
@@ -71,42 +80,42 @@ DIST_PHASES = [
         "worker_proc",
         "task_start",
     ),
-    ("task_torch", "task: import torch (launcher) before the rendezvous", "task_start", "launcher_imported"),
+    ("task_torch", "task: import torch (launcher)", "task_start", "launcher_imported"),
     (
         "rendezvous",
-        "task 0's rendezvous endpoint via the driver (was allGather, which polls once a second)",
+        "task 0's rendezvous endpoint via the driver's run channel",
         "launcher_imported",
-        "agent_start",
+        "rendezvous_done",
     ),
     (
         "agent_to_rank",
         "torchrun agent: static rendezvous, fork ranks, rank set-up",
-        "agent_start",
+        "rendezvous_done",
         "rank_start",
     ),
     (
         "rank_fn",
         "the training function (DDP() lazily imports torch._dynamo: ~1.5 s)",
         "rank_start",
-        "rank_end",
+        "rank_returned",
     ),
-    ("rank_exit", "ranks exit, agent reaps them and returns", "rank_end", "agent_end"),
+    ("rank_exit", "rank 0 sends its value, ranks exit, agent reaps them", "rank_returned", "agent_end"),
     ("collect", "task returns, collect() completes in the driver", "agent_end", "channel_close"),
+    ("channel_close", "RunChannel.close", "channel_close", "channel_closed"),
+    ("sc_stop", "SparkContext.stop (JVM stop)", "channel_closed", "spark_stopped"),
+    ("driver_exit", "driver writes outcome, Python exits", "spark_stopped", "driver_gone"),
     (
-        "channel_close",
-        "RunChannel.close (socketserver shutdown polls every 0.5 s)",
-        "channel_close",
-        "channel_closed",
+        "jvm_exit",
+        "SparkSubmit JVM shutdown until spark-submit has exited",
+        "driver_gone",
+        "spark_submit_end",
     ),
     (
-        "sc_stop",
-        "SparkContext.stop (JVM stop; accumulator server polls every 0.5 s)",
-        "channel_closed",
-        "sc_stopped",
+        "hook_after",
+        "hook: follower stop, outcome, read the value, end the session, clean up",
+        "spark_submit_end",
+        "done",
     ),
-    ("driver_exit", "driver writes outcome, Python exits", "sc_stopped", "driver_gone"),
-    ("jvm_exit", "SparkSubmit JVM shutdown until spark-submit's stdout closes", "driver_gone", "stdout_eof"),
-    ("hook_after", "hook: outcome, kill of the process group, clean-up, unpickle", "stdout_eof", "done"),
 ]
 
 LOCAL_PHASES = [
@@ -114,35 +123,35 @@ LOCAL_PHASES = [
     DIST_PHASES[1],
     DIST_PHASES[2],
     DIST_PHASES[3],
-    ("driver_boot", "Python driver: interpreter start + imports", "driver_proc", "driver_imported"),
-    ("driver_torch", "driver: import torch (launcher)", "driver_imported", "launcher_imported"),
+    DIST_PHASES[4],
+    ("driver_torch", "driver: import torch (launcher)", "driver_start", "launcher_imported"),
     (
         "agent_to_rank",
-        "torchrun agent: c10d standalone rendezvous, fork ranks",
+        "torchrun agent: standalone rendezvous, fork ranks",
         "launcher_imported",
         "rank_start",
     ),
-    (
-        "rank_fn",
-        "the training function (DDP() lazily imports torch._dynamo: ~1.5 s)",
-        "rank_start",
-        "rank_end",
-    ),
-    ("rank_exit", "ranks exit, agent returns", "rank_end", "agent_end"),
-    (
-        "channel_close",
-        "RunChannel.close (socketserver shutdown polls every 0.5 s)",
-        "agent_end",
-        "channel_closed",
-    ),
+    DIST_PHASES[13],
+    ("rank_exit", "rank 0 writes its value, ranks exit, agent returns", "rank_returned", "agent_end"),
+    ("channel_close", "RunChannel.close", "agent_end", "channel_closed"),
     (
         "driver_exit",
         "driver writes outcome, Python (with torch loaded) exits",
         "channel_closed",
         "driver_gone",
     ),
-    ("jvm_exit", "SparkSubmit JVM shutdown until spark-submit's stdout closes", "driver_gone", "stdout_eof"),
-    ("hook_after", "hook: outcome, kill of the process group, clean-up, unpickle", "stdout_eof", "done"),
+    DIST_PHASES[19],
+    DIST_PHASES[20],
+]
+
+#: Spans that are not consecutive phases: (key, start point, end point).
+EXTRA_SPANS = [
+    ("hook_init", "imported", "hook_start"),
+    ("staging", "hook_start", "staged"),
+    ("plan", "staged", "spark_submit_start"),
+    ("output_send", "rank_returned#0", "output_sent"),
+    ("follower_and_outcome", "spark_submit_end", "outcome_read"),
+    ("session_end", "outcome_read", "session_ended"),
 ]
 
 
@@ -153,11 +162,16 @@ def _variants() -> dict[str, dict[str, Any]]:
         "distributed+fast_jvm_start=False": {"mode": "--distributed", "hook": {"fast_jvm_start": False}},
         "local+fast_jvm_start=False": {"mode": "--local", "hook": {"fast_jvm_start": False}},
         "distributed+ui_off": {"mode": "--distributed", "conf": {"spark.ui.enabled": "false"}},
+        # One start-up acceleration off at a time (the benchmarking knob of fast_start.py).
+        **{
+            f"distributed+{part}_off": {"mode": "--distributed", "env": {"TORCHDIST_FAST_START_OFF": part}}
+            for part in ("jvm",)
+        },
     }
 
 
 def traced_run(variant: dict[str, Any], workdir: Path, env: dict[str, str]) -> dict[str, Any]:
-    """One instrumented hook run; returns its RESULT (stamps, processes, lines) plus the trace events."""
+    """One observed hook run; returns its RESULT: its own timestamps, the events, the processes."""
     trace = Path(tempfile.mkstemp(prefix="trace-", suffix=".jsonl", dir=workdir)[1])
     cmd = [PYTHON, str(WORKLOADS / "hook_traced.py"), variant["mode"], "--trace", str(trace)]
     for key, value in variant.get("conf", {}).items():
@@ -166,8 +180,6 @@ def traced_run(variant: dict[str, Any], workdir: Path, env: dict[str, str]) -> d
         cmd += ["--env", f"{key}={value}"]
     if variant.get("hook", {}).get("fast_jvm_start") is False:
         cmd.append("--no-fast-jvm-start")
-    import subprocess
-
     load = os.getloadavg()[0]
     spawn = time.time()
     proc = subprocess.run(cmd, env={**env, "BENCH_T_SPAWN": repr(spawn)}, capture_output=True, text=True)
@@ -176,7 +188,6 @@ def traced_run(variant: dict[str, Any], workdir: Path, env: dict[str, str]) -> d
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"traced run failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
     result = json.loads(line.removeprefix("RESULT "))
-    result["events"] = [json.loads(ln) for ln in trace.read_text().splitlines() if ln.strip()]
     result["wall_s"] = wall
     result["load1"] = round(load, 2)
     trace.unlink()
@@ -184,12 +195,12 @@ def traced_run(variant: dict[str, Any], workdir: Path, env: dict[str, str]) -> d
 
 
 def timeline(run: dict[str, Any]) -> dict[str, float]:
-    """Named points in time (seconds since the hook process was spawned) from one traced run.
+    """Named points in time (seconds since the hook process was spawned) from one observed run.
 
-    Process start times come from psutil (``create_time``, 10 ms ticks but offset by the boot
-    time's 1 s rounding); the offset is removed by aligning them with when the sampler first saw
-    each process. Where a barrier task reports an event per node, the later node counts: the
-    stage waits for the slowest.
+    Each phase event is a point; where several processes emit it (one per node or rank), the later
+    counts: the stage waits for the slowest. ``phase#N`` is node or rank N's own. Process start
+    times come from psutil (``create_time``, 10 ms ticks but offset by the boot time's 1 s
+    rounding); the offset is removed by aligning them with when the sampler first saw each process.
     """
     t0 = run["t_spawn"]
     procs = run["procs"]
@@ -204,34 +215,34 @@ def timeline(run: dict[str, Any]) -> dict[str, float]:
         return max(found) - t0 if found else None
 
     events: dict[str, list[dict[str, Any]]] = {}
+    points: dict[str, float] = {}
     for e in run["events"]:
-        events.setdefault(e["e"], []).append(e)
-    points: dict[str, float] = {name: max(x["t"] for x in evs) - t0 for name, evs in events.items()}
+        events.setdefault(e["phase"], []).append(e)
+        who = e.get("node", e.get("rank"))
+        if who is not None:
+            points[f"{e['phase']}#{who}"] = e["t"] - t0
+    points.update({name: max(x["t"] for x in evs) - t0 for name, evs in events.items()})
     driver_pid = events["driver_start"][0]["pid"]
     task_pids = {e["pid"] for e in events.get("task_start", [])}
     forked = {p["pid"] for p in procs if "pyspark.daemon" in p["cmd"]}  # daemon, workers, their ranks
-    daemon = [p for p in procs if p["pid"] in forked and p["ppid"] not in forked]
-    daemon_pids = {p["pid"] for p in daemon}
+    daemon_pids = {p["pid"] for p in procs if p["pid"] in forked and p["ppid"] not in forked}
     points.update(
         spawn=0.0,
         imported=run["t_imported"] - t0,
-        popen=run["popen"] - t0,
-        launcher_end=last_seen(lambda p: "org.apache.spark.launcher.Main" in p["cmd"]) or run["popen"] - t0,
+        launcher_end=last_seen(lambda p: "org.apache.spark.launcher.Main" in p["cmd"])
+        or points["spark_submit_start"],
         driver_proc=created(lambda p: p["pid"] == driver_pid),
         driver_gone=last_seen(lambda p: p["pid"] == driver_pid),
-        stdout_eof=run["stdout_eof"] - t0,
         done=run["t_done"] - t0,
-        rank_start=run["rank0"]["t_start"] - t0,
-        rank_end=run["rank0"]["t_end"] - t0,
     )
-    if daemon:
+    if daemon_pids:
         points["daemon_proc"] = created(lambda p: p["pid"] in daemon_pids)
         worker_times = [created(lambda p, pid=pid: p["pid"] == pid) for pid in task_pids]
         points["worker_proc"] = max(t for t in worker_times if t is not None)
     points["find_spark_home_s"] = (last_seen(lambda p: "find_spark_home" in p["cmd"]) or 0.0) - (
         created(lambda p: "find_spark_home" in p["cmd"]) or 0.0
     )
-    return points
+    return {k: v for k, v in points.items() if v is not None}
 
 
 def phases(run: dict[str, Any], spec: list[tuple[str, str, str, str]]) -> dict[str, float]:
@@ -242,12 +253,18 @@ def phases(run: dict[str, Any], spec: list[tuple[str, str, str, str]]) -> dict[s
         a, b = points.get(start), points.get(end)
         out[key] = round(b - a, 3) if a is not None and b is not None else None
     out["total"] = round(points["done"], 3)
+    for key, start, end in EXTRA_SPANS:
+        a, b = points.get(start), points.get(end)
+        out[key] = round(b - a, 3) if a is not None and b is not None else None
     out["find_spark_home"] = round(points["find_spark_home_s"], 3)
-    if "rdzv_wait_start" in points:
-        # how long the other tasks waited for task 0's endpoint once they asked
-        out["rendezvous_wait"] = round(points["rdzv_wait_end"] - points["rdzv_wait_start"], 3)
-    out["left_in_session"] = len(run.get("left_in_session", []))
-    out["stop_process_group"] = round(run["stop_process_group_end"] - run["stop_process_group_start"], 3)
+    waits = [
+        points[f"rendezvous_done#{n}"] - points[f"launcher_imported#{n}"]
+        for n in range(1, 64)
+        if f"rendezvous_done#{n}" in points and f"launcher_imported#{n}" in points
+    ]
+    if waits:  # how long the other tasks waited for task 0's endpoint once they asked
+        out["rendezvous_wait"] = round(max(waits), 3)
+    out["left_after_run"] = len(run.get("left_after_run", []))
     return out
 
 

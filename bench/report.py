@@ -106,9 +106,10 @@ def _profile(sec: dict[str, Any]) -> list[str]:
     lines = [
         "### Where a launch's time goes",
         "",
-        "`python bench/profile_launch.py`: the hook run by `bench/workloads/hook_traced.py`, instrumented from "
-        "outside the package (a traced driver script swapped in at staging, wrappers pickled into the barrier "
-        "tasks, spark-submit's lines time-stamped as they arrive, a psutil sampler for process starts/exits). "
+        "`python bench/profile_launch.py`: the hook run by `bench/workloads/hook_traced.py` with "
+        "`TORCHDIST_EVENT_LOG` set, so the hook, the driver, each barrier task and torchrun agent and each rank "
+        "append the package's own timestamped phase events (`airflow_provider_torchdist/spark/events.py`) to one "
+        "file; a psutil sampler adds the process starts and exits no event can mark. Nothing is patched. "
         f"Consecutive phases, medians of {sec['rounds']} runs each (phases are medians, so they need not add "
         "up exactly to the total).",
         "",
@@ -125,7 +126,7 @@ def _profile(sec: dict[str, Any]) -> list[str]:
     extra = [k for k in meds if k not in ("distributed", "local")]
     if extra:
         lines += [
-            "Variants (hook arguments or `conf`), same instrumentation:",
+            "Variants (hook arguments, `conf` or the environment), same events:",
             "",
         ]
         rows = []
@@ -143,16 +144,67 @@ def _profile(sec: dict[str, Any]) -> list[str]:
                 [
                     name,
                     what.replace("|", "\\|"),
+                    _s(m.get("submit_scripts")),
                     _s(m.get("jvm_to_driver")),
                     _s(m.get("sc_init")),
+                    _s(m.get("driver_exit")),
                     _s(m.get("total")),
                     "/".join(_s(x) for x in m["load1"]),
                 ]
             )
         lines += _table(
-            ["variant", "settings", "JVM to driver s", "SparkContext s", "total s", "load"], rows
+            [
+                "variant",
+                "settings",
+                "spark-submit scripts s",
+                "JVM to driver s",
+                "SparkContext s",
+                "driver exit s",
+                "total s",
+                "load",
+            ],
+            rows,
         ) + [""]
     return lines
+
+
+def _fast_start(sec: dict[str, Any]) -> list[str]:
+    """What each start-up acceleration of ``fast_start.py`` saves, measured by switching it off."""
+    stats, samples, savings = sec["stats"], sec["samples"], sec.get("savings", {})
+    lines = [
+        "### What each start-up acceleration saves",
+        "",
+        "`python bench/launch.py --fast-start`: `hook_distributed` with each part of `fast_start.py` switched off "
+        "in turn by the benchmarking knob `TORCHDIST_FAST_START_OFF` (`jvm`: the driver JVM's class-data archive "
+        "and C1-only JIT; `spark_home`: `SPARK_HOME` for pyspark's own `spark-submit`; `exit`: the driver's "
+        "`os._exit`; `all`: the three, as `fast_jvm_start=False`), interleaved with the default (all on) and raw "
+        f"torchrun, {sec['rounds']} counted rounds. A part's saving is the median over rounds of its variant's "
+        "wall time minus the default's in the same round; min and max show the spread. The issue keeps a part "
+        "only if it saves at least 0.5 s.",
+        "",
+    ]
+    rows = []
+    for name, label in sec["variants"].items():
+        st = stats[name]
+        part = name.removeprefix("hook_distributed-") if name.startswith("hook_distributed-") else None
+        sv = savings.get(part, {}) if part else {}
+        keep = sv.get("keep")
+        rows.append(
+            [
+                label,
+                _s(st["median_s"]),
+                _s(st["min_s"]),
+                _s(st["max_s"]),
+                _s(sv.get("median_saving_s")) if part else "–",
+                f"{_s(sv.get('min_saving_s'))} / {_s(sv.get('max_saving_s'))}" if part else "–",
+                "–" if keep is None else ("keep" if keep else "**below 0.5 s**"),
+                _load(samples[name]),
+            ]
+        )
+    lines += _table(
+        ["variant", "median s", "min s", "max s", "saving s", "saving min / max s", ">= 0.5 s", "load"], rows
+    )
+    return lines + [""]
 
 
 #: How a phase of the old profile maps onto the new one (allGather gave way to the channel exchange).
@@ -451,6 +503,7 @@ def render(results: dict[str, Any]) -> str:
         ("launch", _launch),
         ("profile", _profile),
         ("launch_changes", None),
+        ("fast_start", _fast_start),
         ("throughput", _throughput),
         ("failure_latency", _failure),
         ("output_roundtrip", _output),

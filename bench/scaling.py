@@ -2,7 +2,7 @@
 
 Usage: ``python bench/scaling.py [--rounds 3] [--quick] [--sizes 1 2 4]``
 
-Starts a loopback standalone cluster (``scripts/spark_cluster.py``, prefix ``tdbench``: a Master and
+Starts a loopback standalone cluster (``tests.cluster``, prefix ``tdbench``: a Master and
 one 1-core Worker per process, so every barrier task gets an executor of its own, like one node
 each) and stops it again at the end, by the PIDs it started. Per round and size N, interleaved:
 
@@ -39,8 +39,9 @@ from common import (
     update_results,
 )
 
-sys.path.insert(0, str(REPO / "scripts"))
-import spark_cluster  # noqa: E402
+# Bench scripts run as files (``python bench/scaling.py``): the repository root makes ``tests`` importable.
+sys.path.insert(0, str(REPO))
+from tests.cluster import ClusterInfo, start_cluster, stop_cluster  # noqa: E402
 
 PREFIX = "tdbench"
 WORKLOAD = WORKLOADS / "scaling_run.py"
@@ -53,7 +54,7 @@ def commands(n: int) -> dict[str, list[str]]:
     }
 
 
-def connection(info: spark_cluster.ClusterInfo) -> str:
+def connection(info: ClusterInfo) -> str:
     """The ``torchdist_bench`` Spark connection to the cluster, with its master web UI."""
     return json.dumps(
         {
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
         t0 = time.monotonic()
-        info = spark_cluster.start_cluster(
+        info = start_cluster(
             workers=max(args.sizes), cores=1, memory="1g", prefix=PREFIX, state_dir=Path(tmp) / "cluster"
         )
         log(f"cluster {info.master_url}: {len(info.workers)} workers up in {time.monotonic() - t0:.1f} s")
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                         if round_no:
                             samples[str(n)][launcher].append(row)
         finally:
-            spark_cluster.stop_cluster(info)
+            stop_cluster(info)
     stats: dict[str, Any] = {}
     for n, by_launcher in samples.items():
         stats[n] = {}

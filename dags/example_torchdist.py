@@ -67,8 +67,9 @@ def example_torchdist():
     )
 
     @task
-    def evaluate(value) -> dict:
-        result = load_output(value)  # rank 0's dict, tensors included
+    def evaluate(value, run_id=None) -> dict:
+        # Rank 0's dict, tensors included; refused unless it was signed for this DAG run.
+        result = load_output(value, expect={"run_id": run_id})
         weight = result["state_dict"]["weight"].item()
         summary = {
             "rank": result["rank"],

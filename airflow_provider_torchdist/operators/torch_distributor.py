@@ -1,43 +1,52 @@
-"""TorchDistributorOperator: templating, validation and XCom around :class:`TorchDistributorHook`."""
+"""TorchDistributorOperator: templating, the spec, and XCom around :class:`TorchDistributorHook`.
+
+The operator's settings are :class:`~airflow_provider_torchdist.spec.TrainingSpec`'s: its
+signature, template fields and docs are made from the spec's fields. Values that are not templates
+are checked when the DAG is parsed; after rendering, the operator builds the spec, and the hook
+plans the run from it.
+"""
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from airflow.providers.common.compat.sdk import BaseOperator
+from airflow.providers.common.compat.sdk import BaseOperator, ResumableJobMixin
+from airflow.providers.common.compat.sdk import conf as airflow_conf
 
-from airflow_provider_torchdist.hooks.torch_distributor import DEFAULT_CONN_ID, TorchDistributorHook
+from airflow_provider_torchdist import run_paths
+from airflow_provider_torchdist.errors import SparkSubmitFailed
+from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.links import (
     SPARK_MASTER_APP_XCOM_KEY,
     SPARK_UI_XCOM_KEY,
     SparkMasterAppLink,
     SparkUILink,
 )
-from airflow_provider_torchdist.results import DEFAULT_MAX_XCOM_OUTPUT_BYTES, output_to_xcom
-from airflow_provider_torchdist.spark.checkpoints import CHECKPOINT_ENV
-from airflow_provider_torchdist.validation import (
-    check_args,
-    check_bool,
-    check_deploy_mode,
-    check_int,
-    check_topology,
-    check_train_object,
-    check_unencrypted_allowed,
-    is_template,
+from airflow_provider_torchdist.preflight import check_output_path
+from airflow_provider_torchdist.results import origin_of, output_to_xcom
+from airflow_provider_torchdist.run_owner import ACTIVE_STATES, check_deferral, end_run, run_state
+from airflow_provider_torchdist.run_record import RECORD_KEY, RunRecord
+from airflow_provider_torchdist.settings_checks import build_spec, check_settings
+from airflow_provider_torchdist.spec import (
+    SETTINGS,
+    TrainingSpec,
+    documented,
+    signature_of,
+    templated_settings,
 )
-
-
-def _airflow_home() -> str:
-    return os.path.expanduser(os.environ.get("AIRFLOW_HOME", "~/airflow"))
-
+from airflow_provider_torchdist.triggers.torch_distributor import TorchDistributorTrigger
+from airflow_provider_torchdist.validation import check_args, check_train_object, is_template
 
 #: XCom key of the list of ``report()`` records: ``[{"rank": 0, "step": 3, "time": ..., "loss": 0.12}, ...]``.
 METRICS_XCOM_KEY = "metrics"
+path_component = run_paths.path_component  # public since 0.1
 
 
-class TorchDistributorOperator(BaseOperator):
+@documented(list(SETTINGS))
+class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
     """Train a PyTorch callable or script on Spark and push global rank 0's return value to XCom.
 
     Example::
@@ -62,52 +71,15 @@ class TorchDistributorOperator(BaseOperator):
     :param train_object: a callable, or the path of a ``.py`` training script on the worker.
     :param args: positional arguments of the callable, or a script's command-line arguments.
     :param kwargs: keyword arguments of the callable (stored and templated as ``train_kwargs``).
-    :param num_processes: total number of ranks.
-    :param local_mode: run all ranks on the Spark driver instead of Spark executors.
-    :param use_gpu: map each task's Spark-assigned GPUs to its ranks and use NCCL.
-    :param nproc_per_node: ranks per Spark task in distributed mode.
-    :param max_restarts: restarts of the worker group by torchrun's agent.
-    :param rendezvous_timeout: seconds the ranks may take to find each other.
-    :param slot_timeout: seconds to wait for executors when the cluster's capacity is unknown.
-    :param socket_ifname: network interface for gloo/NCCL (default: the one carrying the task's address).
-    :param conn_id: Spark connection; the default ``spark_default``, when undefined, means an
-        embedded local master.
-    :param conf: Spark configuration properties (templated, shown as JSON).
-    :param env_vars: environment for spark-submit, as in ``SparkSubmitOperator``.
-    :param rank_env: environment variables for every rank.
-    :param output_path: where outputs bigger than ``max_xcom_output_bytes`` are stored (any
-        ``ObjectStoragePath`` URI: ``s3://bucket/prefix``, ``file:///shared/dir``); XCom then holds a
-        signed reference. Default: ``$AIRFLOW_HOME/torchdist-outputs`` on the worker.
-    :param max_xcom_output_bytes: largest pickled output carried inline in XCom (default 4 MiB).
-    :param checkpoint_dir: the directory ranks find in ``TORCHDIST_CHECKPOINT_DIR``; default
-        ``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>``, the same for every try.
-    :param allow_unencrypted: run even when ``spark.ssl.enabled=true`` (torch traffic is not encrypted).
-    :param spark_submit_kwargs: other ``SparkSubmitHook`` settings: ``executor_memory``,
-        ``driver_memory``, ``executor_cores``, ``num_executors``, ``total_executor_cores``,
-        ``name``, ``verbose``, ``properties_file``, ``spark_binary``, ...
     """
 
     # ``kwargs`` cannot be a template field: Airflow 3 refuses to serialize a DAG whose operator
     # templates a name of BaseOperator.__init__'s parameters, and its **kwargs counts.
-    template_fields: Sequence[str] = (
-        "train_object",
-        "train_args",
-        "train_kwargs",
-        "num_processes",
-        "local_mode",
-        "use_gpu",
-        "nproc_per_node",
-        "max_restarts",
-        "socket_ifname",
-        "conf",
-        "env_vars",
-        "rank_env",
-        "output_path",
-        "checkpoint_dir",
-        "conn_id",
-    )
+    template_fields: Sequence[str] = ("train_object", "train_args", "train_kwargs", *templated_settings())
     template_fields_renderers = {"conf": "json", "train_kwargs": "json", "train_args": "json"}
     ui_color = "#ee4c2c"
+    #: Where the run's record lives in ``task_state_store`` between tries (ResumableJobMixin).
+    external_id_key = RECORD_KEY
     operator_extra_links = (SparkUILink(), SparkMasterAppLink())
 
     def __init__(
@@ -116,54 +88,36 @@ class TorchDistributorOperator(BaseOperator):
         train_object: Callable[..., Any] | str,
         args: list[Any] | tuple[Any, ...] | None = None,
         kwargs: dict[str, Any] | None = None,
-        num_processes: int | str = 1,
-        local_mode: bool | str = False,
-        use_gpu: bool | str = False,
-        nproc_per_node: int | str = 1,
-        max_restarts: int | str = 0,
-        rendezvous_timeout: int = 300,
-        slot_timeout: float = 20.0,
-        socket_ifname: str | None = None,
-        conn_id: str = DEFAULT_CONN_ID,
-        conf: dict[str, Any] | None = None,
-        env_vars: dict[str, Any] | None = None,
-        rank_env: dict[str, str] | None = None,
-        output_path: str | None = None,
-        max_xcom_output_bytes: int = DEFAULT_MAX_XCOM_OUTPUT_BYTES,
-        checkpoint_dir: str | None = None,
-        allow_unencrypted: bool = False,
-        spark_submit_kwargs: dict[str, Any] | None = None,
         **base_kwargs: Any,
     ) -> None:
+        settings = {name: base_kwargs.pop(name) for name in list(base_kwargs) if name in SETTINGS}
         super().__init__(**base_kwargs)
         self.train_object = train_object
         self.train_args = args
         self.train_kwargs = kwargs
-        self.num_processes = num_processes
-        self.local_mode = local_mode
-        self.use_gpu = use_gpu
-        self.nproc_per_node = nproc_per_node
-        self.max_restarts = max_restarts
-        self.rendezvous_timeout = rendezvous_timeout
-        self.slot_timeout = slot_timeout
-        self.socket_ifname = socket_ifname
-        self.conn_id = conn_id
-        self.conf = conf
-        self.env_vars = env_vars
-        self.rank_env = rank_env
-        self.output_path = output_path
-        self.max_xcom_output_bytes = max_xcom_output_bytes
-        self.checkpoint_dir = checkpoint_dir
-        self.allow_unencrypted = allow_unencrypted
-        self.spark_submit_kwargs = dict(spark_submit_kwargs or {})
+        # Bad values fail the DAG import with a message naming the field, not the run at 3 a.m.
+        for name, value in check_settings(settings, at_parse_time=True).items():
+            setattr(self, name, value)
+        if self.deferrable is None:
+            self.deferrable = airflow_conf.getboolean("operators", "default_deferrable", fallback=False)
+        self._check_work(at_parse_time=True)
         self._hook: TorchDistributorHook | None = None
-        self._validate(at_parse_time=True)
+        self._result: Any = None
+        self._followed = False
 
-    def _validate(self, at_parse_time: bool) -> None:
-        """Check every value that is not a template yet; after rendering, check all of them.
+    __init__.__signature__ = signature_of(  # type: ignore[attr-defined]
+        list(SETTINGS),
+        leading=[
+            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            inspect.Parameter("train_object", inspect.Parameter.KEYWORD_ONLY),
+            inspect.Parameter("args", inspect.Parameter.KEYWORD_ONLY, default=None),
+            inspect.Parameter("kwargs", inspect.Parameter.KEYWORD_ONLY, default=None),
+        ],
+        trailing=[inspect.Parameter("base_kwargs", inspect.Parameter.VAR_KEYWORD)],
+    )
 
-        Bad values fail the DAG import with a message naming the field, not the run at 3 a.m.
-        """
+    def _check_work(self, at_parse_time: bool) -> None:
+        """The callable or script and its arguments; a template is checked after rendering."""
 
         def ready(value: Any) -> bool:
             return not (at_parse_time and is_template(value))
@@ -175,22 +129,14 @@ class TorchDistributorOperator(BaseOperator):
             check_args(self.train_args, "args", list)
         if ready(self.train_kwargs):
             check_args(self.train_kwargs, "kwargs", dict)
-        if all(ready(v) for v in (self.num_processes, self.nproc_per_node, self.local_mode)):
-            self.num_processes, self.nproc_per_node, self.local_mode = check_topology(
-                self.num_processes, self.nproc_per_node, self.local_mode
-            )
-        if ready(self.use_gpu):
-            self.use_gpu = check_bool(self.use_gpu, "use_gpu")
-        if ready(self.max_restarts):
-            self.max_restarts = check_int(self.max_restarts, "max_restarts", minimum=0)
-        # What the hook would refuse at the start of the task, refused when the DAG is parsed: only
-        # client deploy mode, and no spark.ssl.enabled without allow_unencrypted.
-        check_deploy_mode(self.spark_submit_kwargs.get("deploy_mode"))
-        if isinstance(self.conf, dict) and not is_template(self.conf.get("spark.ssl.enabled")):
-            check_unencrypted_allowed(self.conf, check_bool(self.allow_unencrypted, "allow_unencrypted"))
-        if not at_parse_time:  # a template that rendered to a string is not a list / dict
-            check_args(self.train_args, "args", list)
-            check_args(self.train_kwargs, "kwargs", dict)
+
+    def training_spec(self, context: Any = None) -> TrainingSpec:
+        """The spec of this task's run, from its rendered settings; with ``context``, the default
+        checkpoint directory is this task's (the same for every try in the DAG run)."""
+        spec = build_spec(**{name: getattr(self, name) for name in SETTINGS})
+        if spec.checkpoint_dir is None and context is not None:
+            spec = dataclasses.replace(spec, checkpoint_dir=run_paths.default_checkpoint_dir(context["ti"]))
+        return spec
 
     def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:
         # Airflow calls a callable template field as ``value(context=..., jinja_env=...)``; a
@@ -204,28 +150,115 @@ class TorchDistributorOperator(BaseOperator):
             if callable(train_object):
                 self.train_object = train_object
 
-    def make_hook(self) -> TorchDistributorHook:
-        return TorchDistributorHook(
-            num_processes=self.num_processes,
-            local_mode=self.local_mode,
-            use_gpu=self.use_gpu,
-            nproc_per_node=self.nproc_per_node,
-            max_restarts=self.max_restarts,
-            rendezvous_timeout=self.rendezvous_timeout,
-            slot_timeout=self.slot_timeout,
-            socket_ifname=self.socket_ifname,
-            allow_unencrypted=self.allow_unencrypted,
-            checkpoint_dir=self.checkpoint_dir,
-            conn_id=self.conn_id,
-            conf=self.conf,
-            env_vars=self.env_vars,
-            rank_env=self.rank_env,
-            **self.spark_submit_kwargs,
-        )
+    def make_hook(self, context: Any = None) -> TorchDistributorHook:
+        return TorchDistributorHook(spec=self.training_spec(context))
 
     def execute(self, context: Any) -> Any:
-        self._validate(at_parse_time=False)
-        self._hook = self.make_hook()
+        self._check_work(at_parse_time=False)
+        self._hook = self.make_hook(context)
+        if callable(self.train_object):  # a script returns None: nothing is ever stored
+            check_output_path(run_paths.output_base(self._hook.spec.output_path))
+        if self.deferrable:
+            check_deferral(
+                self._hook.embedded,
+                self._hook.spec.local_mode,
+                airflow_conf.get("core", "executor", fallback=""),
+                self.log,
+            )
+            record = self._live_run(context) or self._submit(context)
+            self._hook.detach()  # the trigger is the next owner; until it connects, the run waits
+            self.defer(
+                trigger=TorchDistributorTrigger(record.to_dict()),
+                method_name="execute_complete",
+            )
+        return self.execute_resumable(context)
+
+    # -- ResumableJobMixin: the run's record in task_state_store ---------------------------------
+
+    def submit_job(self, context: Any) -> dict[str, Any]:
+        """Start the run under its supervisor; its record is what a retry reattaches with."""
+        assert self._hook is not None
+        record = self._hook.start_run(
+            self.train_object,
+            self.train_args,
+            self.train_kwargs,
+            durable=self.durable,
+            reattach_timeout=self._hook_spec().reattach_timeout,
+        )
+        return record.to_dict()
+
+    def get_job_status(self, external_id: Any, context: Any) -> str:
+        """The stored run's state (``"gone"`` when its supervisor is not there any more). A failed
+        run still kept for its owner is ended here, so that its checkpoint lock is free for the next."""
+        record = RunRecord.from_dict(external_id)
+        state = run_state(record)
+        if state == "failed":
+            self.log.warning(
+                "The earlier run %s failed; starting afresh from its checkpoints.", record.run_id
+            )
+            end_run(record)
+        elif state in ACTIVE_STATES:
+            self.log.info(
+                "Reattaching to run %s at %s:%s (%s).", record.run_id, record.host, record.port, state
+            )
+        return state
+
+    def is_job_active(self, status: str) -> bool:
+        return status in ACTIVE_STATES
+
+    def is_job_succeeded(self, status: str) -> bool:
+        return status == "succeeded"
+
+    def poll_until_complete(self, external_id: Any, context: Any) -> Any:
+        """Own the run to its end; returns what goes to XCom (the mixin returns this on a reattach)."""
+        self._result = self._follow(RunRecord.from_dict(external_id), context)
+        self._followed = True
+        return self._result
+
+    def get_job_result(self, external_id: Any, context: Any) -> Any:
+        if self._followed:
+            return self._result
+        # An earlier try's run that succeeded and still holds its result: take it over.
+        return self._follow(RunRecord.from_dict(external_id), context)
+
+    # -- deferral ---------------------------------------------------------------------------------
+
+    def _live_run(self, context: Any) -> RunRecord | None:
+        """An earlier try's run this try can take over when deferring, or None (a failed one ended)."""
+        store = context.get("task_state_store")
+        stored = store.get(self.external_id_key) if store is not None else None
+        if not stored or not self.durable:
+            return None
+        record = RunRecord.from_dict(stored)
+        state = self.get_job_status(stored, context)
+        return record if state in (*ACTIVE_STATES, "succeeded") else None
+
+    def _submit(self, context: Any) -> RunRecord:
+        record = self.submit_job(context)
+        store = context.get("task_state_store")
+        if store is not None:
+            store.set(self.external_id_key, record)
+        return RunRecord.from_dict(record)
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
+        """Back from the trigger: take the run's log, result and metrics as the synchronous path would."""
+        self._check_work(at_parse_time=False)
+        self._hook = self.make_hook(context)
+        state = event.get("state")
+        if state in ("error", "gone"):
+            raise SparkSubmitFailed(f"Waiting for the training run failed: {event.get('message') or state}")
+        return self._follow(RunRecord.from_dict(event["record"]), context)
+
+    # -- owning the run ---------------------------------------------------------------------------
+
+    def _hook_spec(self) -> TrainingSpec:
+        assert self._hook is not None
+        return self._hook.spec
+
+    def _follow(self, record: RunRecord, context: Any) -> Any:
+        """Follow the run to its end as its owner and turn rank 0's output into the XCom value."""
+        hook = self._hook
+        assert hook is not None
         ti = context["ti"]
 
         def push_links(app_id: str, ui: str | None, master_page: str | None) -> None:
@@ -235,40 +268,36 @@ class TorchDistributorOperator(BaseOperator):
             if master_page:
                 ti.xcom_push(key=SPARK_MASTER_APP_XCOM_KEY, value=master_page)
 
-        self._hook.on_application = push_links
-        store_uri = self.output_uri(context)
-        if self.checkpoint_dir is None:
-            self._hook.checkpoint_dir = self.default_checkpoint_dir(context)
-            self._hook.rank_env[CHECKPOINT_ENV] = self._hook.checkpoint_dir
+        hook.on_application = push_links
+        spec = hook.spec
+        store_uri = run_paths.output_uri(spec.output_path, ti)
         try:
-            return self._hook.run_to_path(
-                self.train_object,
-                self.train_args,
-                self.train_kwargs,
+            return hook.follow(
+                record,
                 lambda path: output_to_xcom(
-                    path, max_inline_bytes=self.max_xcom_output_bytes, store_uri=store_uri
+                    path,
+                    origin=origin_of(ti),
+                    max_inline_bytes=spec.max_xcom_output_bytes,
+                    store_uri=store_uri,
+                    store_base=run_paths.output_base(spec.output_path),
                 ),
             )
         finally:
             # The metric history is worth having after a failure too (the last loss before it).
-            if self._hook.metrics:
-                ti.xcom_push(key=METRICS_XCOM_KEY, value=self._hook.metrics)
+            if hook.metrics:
+                ti.xcom_push(key=METRICS_XCOM_KEY, value=hook.metrics)
 
     def default_checkpoint_dir(self, context: Any) -> str:
-        """``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>[-map]``: the same for every try of
-        this task in this DAG run, so a retry resumes where the last try stopped."""
-        ti = context["ti"]
-        map_index = getattr(ti, "map_index", -1)
-        task = ti.task_id if map_index in (-1, None) else f"{ti.task_id}-{map_index}"
-        return os.path.join(_airflow_home(), "torchdist-checkpoints", ti.dag_id, ti.run_id, task)
+        """``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>[@map]`` (see :mod:`run_paths`)."""
+        return run_paths.default_checkpoint_dir(context["ti"])
+
+    def output_base(self) -> str:
+        """``output_path``, or ``file://$AIRFLOW_HOME/torchdist-outputs``."""
+        return run_paths.output_base(self.output_path)
 
     def output_uri(self, context: Any) -> str:
-        """Where this try's large output goes: ``<output_path>/<dag>/<run>/<task>[-map]-try<n>.pkl``."""
-        ti = context["ti"]
-        base = self.output_path or "file://" + os.path.join(_airflow_home(), "torchdist-outputs")
-        map_index = getattr(ti, "map_index", -1)
-        name = f"{ti.task_id}{'' if map_index in (-1, None) else f'-{map_index}'}-try{ti.try_number}.pkl"
-        return "/".join([base.rstrip("/"), ti.dag_id, ti.run_id, name])
+        """Where this try's large output goes: ``<output_path>/<dag>/<run>/<task>[@map]-try<n>.pkl``."""
+        return run_paths.output_uri(self.output_path, context["ti"])
 
     def on_kill(self) -> None:
         if self._hook is not None:

@@ -6,9 +6,11 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 
-from airflow_provider_torchdist.spark.channel import ChannelClient
+from airflow_provider_torchdist.spark.channel_client import ChannelClient
+from airflow_provider_torchdist.spark.events import emit
 from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.outcome import RankFailure
+from airflow_provider_torchdist.spark.protocol import NodeStarted
 
 
 def visible_devices(assigned: Iterable[str], preset: str | None) -> list[str]:
@@ -76,10 +78,14 @@ def barrier_task(
     die_with_parent()
     ctx = BarrierTaskContext.get()
     node = ctx.partitionId()
+    emit("task_start", node=node)
     host = ctx.getTaskInfos()[node].address.rsplit(":", 1)[0]
     # This node's own line to the driver: "started" now, its failures later.
-    client = ChannelClient(channel_address, spec.token, None, host)
-    client.send({"k": "node", "node": node})
+    # Spark's scheduler vouches for this task on the driver's side; the node key comes back.
+    client = ChannelClient.as_node(
+        channel_address, spec.token, node=node, task_attempt=ctx.taskAttemptId(), host=host
+    )
+    client.send(NodeStarted())
     try:
         gpus = ctx.resources().get("gpu")
         os.environ.update(gpu_environment(spec, list(gpus.addresses) if gpus else None))
@@ -88,8 +94,10 @@ def barrier_task(
             client.announce_master(*master)
         from airflow_provider_torchdist.spark.launcher import launch_node  # imports torch
 
+        emit("launcher_imported", node=node)
         if node != 0:
             master = client.wait_for_master(spec.rendezvous_timeout)
+        emit("rendezvous_done", node=node)
         failures = launch_node(
             spec,
             node_rank=node,
@@ -99,10 +107,12 @@ def barrier_task(
             master=master,
             task_cpus=ctx.cpus(),
             output_dir=shared_output_dir(driver_output_dir) if node == 0 else None,
+            node_key=client.node_key,
         )
     except Exception as exc:
         failures = [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]
     if failures:
         client.failures(failures)
     client.close()
+    emit("task_end", node=node)
     yield json.dumps({"node": node, "host": host, "failed": bool(failures)})

@@ -29,8 +29,14 @@ _NAME = re.compile(r"^step-(\d{9})\.pt$")
 
 
 def checkpoint_dir() -> Path | None:
-    """This task's checkpoint directory, or None when the run has none."""
+    """This task's checkpoint directory, or None when the run has none.
+
+    ``checkpoint_dir="file:///shared/ckpt"`` names the local path ``/shared/ckpt``, as it does for
+    the hook's check before the run (``preflight.check_checkpoint_dir``).
+    """
     value = os.environ.get(CHECKPOINT_ENV)
+    if value and value[:7].lower() == "file://":
+        value = value[7:]
     return Path(value) if value else None
 
 

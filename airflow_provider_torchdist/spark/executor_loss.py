@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from airflow_provider_torchdist.spark.jvm_status import executor_infos
+
 
 class ExecutorWatch:
     """Polls Spark's live executors while the barrier stage runs; remembers the busy ones that vanish.
@@ -26,7 +28,7 @@ class ExecutorWatch:
     """
 
     def __init__(self, sc: Any, on_lost: Callable[[], None], every: float = 0.5) -> None:
-        self._tracker = sc._jsc.sc().statusTracker()
+        self._sc = sc
         self._on_lost = on_lost
         self._every = every
         self._busy: dict[str, str] = {}
@@ -45,10 +47,7 @@ class ExecutorWatch:
 
     def poll(self) -> list[str]:
         """Check once; return the executors newly found lost."""
-        live = {
-            f"{e.host()}:{e.port()}": (e.host(), e.numRunningTasks())
-            for e in self._tracker.getExecutorInfos()
-        }
+        live = {f"{host}:{port}": (host, running) for host, port, running in executor_infos(self._sc)}
         self._busy.update({address: host for address, (host, running) in live.items() if running > 0})
         new = [a for a in self._busy if a not in live and a not in self.lost]
         for address in new:

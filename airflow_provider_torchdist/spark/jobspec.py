@@ -1,6 +1,8 @@
 """The job spec: the one description of a run that the hook writes and the driver reads.
 
-Serialized once to JSON by the Airflow side (``TorchDistributorHook``) and read back by
+``JobSpec`` is :class:`~airflow_provider_torchdist.spec.TrainingSpec` (less what only spark-submit
+needs: ``TrainingSpec.for_cluster``) plus the run's identity: what to run, the run id and the
+channel token. Serialized once to JSON by the Airflow side and read back by
 ``airflow_provider_torchdist.spark.driver``. Standard library only: it runs on the cluster.
 """
 
@@ -12,19 +14,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from airflow_provider_torchdist.spark.outcome import OUTCOME_FILE  # noqa: F401 - named with the others
+from airflow_provider_torchdist.spec import TrainingSpec
+
 SPEC_FILE = "spec.json"
 PAYLOAD_FILE = "payload.pkl"
 OUTPUT_FILE = "output.pkl"
-#: Beside the output file: ``{"sha256", "size", "ino", "mtime_ns"}`` of it, as the driver received it.
-OUTPUT_DIGEST_SUFFIX = ".sha256"
-OUTCOME_FILE = "outcome.json"
+#: The owner token the hook writes for the driver alone (0600); never in the spec, which executors get.
+OWNER_TOKEN_FILE = "owner.token"
+#: Where the driver's run channel listens, ``{"host", "port"}``, written by the driver for the hook.
+CHANNEL_FILE = "channel.json"
 
 Kind = Literal["callable", "script"]
 
 
-@dataclass(frozen=True)
-class JobSpec:
-    """Everything the Spark side needs to run one training job.
+@dataclass(frozen=True, kw_only=True)
+class JobSpec(TrainingSpec):
+    """Everything the Spark side needs to run one training job: the settings and the run identity.
 
     Example::
 
@@ -35,30 +41,19 @@ class JobSpec:
     kind: Kind
     #: File name (inside the staging dir, shipped with ``--files``) of the pickled payload or the script.
     entry: str
-    num_processes: int
     run_id: str
     #: Per-run secret: only connections that present it may talk to the driver's channel.
     token: str
-    local_mode: bool = False
-    use_gpu: bool = False
-    nproc_per_node: int = 1
     #: Command-line arguments of a script (script mode only).
     script_args: list[str] = field(default_factory=list)
-    max_restarts: int = 0
-    #: Seconds the ranks may take to find each other before the run fails.
-    rendezvous_timeout: int = 300
-    #: Seconds to wait for executors to offer the slots the barrier stage needs before failing;
-    #: None when the hook knows the cluster can fit the stage (then it waits as long as it takes).
-    slot_timeout: float | None = 20.0
-    #: Network interface for gloo/NCCL; None picks the one that carries the task's address.
-    socket_ifname: str | None = None
-    #: Extra environment for every rank.
-    rank_env: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def num_nodes(self) -> int:
-        """How many torchrun agents (barrier tasks) the run uses."""
-        return 1 if self.local_mode else self.num_processes // self.nproc_per_node
+    @classmethod
+    def for_run(cls, training: TrainingSpec, **identity: object) -> JobSpec:
+        """The job of one run of ``training``: its cluster settings plus ``identity``
+        (``kind``, ``entry``, ``run_id``, ``token``, ``script_args``, and run-time values such as the
+        effective ``slot_timeout``)."""
+        settings = dataclasses.asdict(training.for_cluster())
+        return cls(**{**settings, **identity})  # type: ignore[arg-type]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)

@@ -21,11 +21,14 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from airflow_provider_torchdist.spark.events import emit
 from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.network import interface_for_address
 from airflow_provider_torchdist.spark.outcome import RankFailure
 from airflow_provider_torchdist.spark.rank import rank_thread_count, run_rank
+from airflow_provider_torchdist.spark.rendezvous import register as register_rendezvous
 
+LOOPBACK = "127.0.0.1"
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 # The agent logs each failed rank's traceback at ERROR; the rank already sent it, with its prefix.
@@ -35,10 +38,12 @@ logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logg
 def launch_config(
     spec: JobSpec, *, node_rank: int, master: tuple[str, int] | None, host: str, log_dir: str
 ) -> LaunchConfig:
-    """torchrun's configuration for one node: ``--standalone`` in local mode, else static rendezvous.
+    """torchrun's configuration for one node: static rendezvous, node rank = Spark partition id.
 
-    Static rendezvous with node rank = Spark partition id: Spark already placed the barrier
-    tasks, so nothing is left for an elastic rendezvous to decide.
+    Spark already placed the barrier tasks, so nothing is left for an elastic rendezvous to decide.
+    The backend is torch's ``static`` with its store listening only on the address the nodes use
+    (``spark/rendezvous.py``): task 0's address in distributed mode, 127.0.0.1 in local mode (one
+    node, the ``--standalone`` case), instead of every interface.
     """
     common: dict[str, Any] = dict(
         run_id=spec.run_id,
@@ -47,6 +52,7 @@ def launch_config(
         monitor_interval=0.1,
         start_method="fork",
         rdzv_timeout=spec.rendezvous_timeout,
+        rdzv_backend=register_rendezvous(),
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
     if master is None:
@@ -54,21 +60,28 @@ def launch_config(
             min_nodes=1,
             max_nodes=1,
             nproc_per_node=spec.num_processes,
-            rdzv_backend="c10d",
-            rdzv_endpoint="127.0.0.1:0",
-            rdzv_configs={"join_timeout": spec.rendezvous_timeout},
+            rdzv_endpoint=f"{LOOPBACK}:0",  # one node: a fresh port each round
+            rdzv_configs={"rank": 0, "timeout": spec.rendezvous_timeout},
             **common,
         )
     return LaunchConfig(
         min_nodes=spec.num_nodes,
         max_nodes=spec.num_nodes,
         nproc_per_node=spec.nproc_per_node,
-        rdzv_backend="static",
         rdzv_endpoint=f"{master[0]}:{master[1]}",
         rdzv_configs={"rank": node_rank, "timeout": spec.rendezvous_timeout},
         local_addr=host,
         **common,
     )
+
+
+#: ``debug=True``: torchx's debug preset, for every rank (``rank_env`` wins over it).
+DEBUG_ENV = {
+    "CUDA_LAUNCH_BLOCKING": "1",
+    "NCCL_DESYNC_DEBUG": "1",
+    "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+    "TORCH_SHOW_CPP_STACKTRACES": "1",
+}
 
 
 def rank_environment(spec: JobSpec, host: str, nproc: int, task_cpus: int | None = None) -> dict[str, str]:
@@ -89,6 +102,8 @@ def rank_environment(spec: JobSpec, host: str, nproc: int, task_cpus: int | None
     if spec.socket_ifname:  # an explicit choice beats whatever the cluster set
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = spec.socket_ifname
     env["TORCHDIST_RUN_ID"] = spec.run_id
+    if spec.debug:
+        env.update(DEBUG_ENV)
     env.update(spec.rank_env)
     return env
 
@@ -138,25 +153,30 @@ def launch_node(
     master: tuple[str, int] | None = None,
     task_cpus: int | None = None,
     output_dir: str | None = None,
+    node_key: bytes,
 ) -> list[RankFailure]:
     """Run this node's ranks to the end; return their failures (empty when all succeeded).
 
     ``master`` is node 0's rendezvous address in distributed mode, None in local mode;
     ``task_cpus`` the barrier task's ``spark.task.cpus`` (the ranks share them); ``output_dir`` the
-    driver's output directory when this node runs on the driver (rank 0 writes its value there).
+    driver's output directory when this node runs on the driver (rank 0 writes its value there);
+    ``node_key`` the key the driver gave this node, with which its ranks prove who they are.
     """
+    emit("agent_start", node=node_rank)
     nproc = spec.num_processes if master is None else spec.nproc_per_node
     os.environ.update(rank_environment(spec, host, nproc, task_cpus))
-    # With the rendezvous store shared with the ranks, a restarted group reads the dead group's
-    # gloo addresses from it and cannot connect; a fresh store per round avoids that.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    log_dir = tempfile.mkdtemp(prefix="torchdist-agent-")
+    # The PID in the name lets a later run's supervisor sweep the directory once this process is
+    # dead (killed before the finally below ran): see airflow_provider_torchdist/sweep.py.
+    log_dir = tempfile.mkdtemp(prefix=f"torchdist-agent-{os.getpid()}-")
     # The agent installs its own handlers for these; a reused Spark Python worker must get back the
     # ones it had, or it would not die when its daemon later tells it to.
     saved = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
     try:
         config = launch_config(spec, node_rank=node_rank, master=master, host=host, log_dir=log_dir)
-        elastic_launch(config, run_rank)(spec, entry_path, channel_address, host, output_dir)
+        # The node key reaches the forked ranks as an argument, not through the environment.
+        elastic_launch(config, run_rank)(
+            spec, entry_path, channel_address, host, output_dir, node_rank, node_key
+        )
         return []
     except ChildFailedError as exc:
         return [failure_from_process(rank, f, host) for rank, f in sorted(exc.failures.items())]
@@ -182,3 +202,4 @@ def launch_node(
         for sig, handler in saved.items():
             signal.signal(sig, handler)
         shutil.rmtree(log_dir, ignore_errors=True)
+        emit("agent_end", node=node_rank)

@@ -11,6 +11,10 @@ import os
 import time
 from typing import Any
 
+from airflow_provider_torchdist.spark import rank_context
+from airflow_provider_torchdist.spark.logsafe import escape_controls
+from airflow_provider_torchdist.spark.protocol import Metric
+
 
 def _number(name: str, value: Any) -> float | int:
     if hasattr(value, "item"):  # a one-element tensor or numpy scalar
@@ -35,15 +39,13 @@ def report(step: int | None = None, *, all_ranks: bool = False, **metrics: Any) 
             loss = train_step()
             report(step=step, loss=loss)   # tensors are fine
     """
-    from airflow_provider_torchdist.spark import rank as rank_module
-
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0 and not all_ranks:
         return
     values = {name: _number(name, value) for name, value in metrics.items()}
     record = {"rank": rank, "step": step, "time": round(time.time(), 3), **values}
-    client = rank_module.CHANNEL
-    if client is None or not client.send({"k": "metric", "m": record}):
+    client = rank_context.get_client()
+    if client is None or not client.send(Metric(record)):
         print(f"[metrics] {format_metrics(record)}", flush=True)
 
 
@@ -55,4 +57,5 @@ def format_metrics(record: dict[str, Any]) -> str:
         if k not in ("rank", "step", "time")
     )
     step = "" if record.get("step") is None else f" step {record['step']}"
-    return f"rank {record.get('rank')}{step}: {values}"
+    # Names (and, from a crafted message, values) are the rank's text: one visible line, no escapes.
+    return escape_controls(f"rank {record.get('rank')}{step}: {values}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import socket
 import struct
 
@@ -41,3 +42,40 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def listen_on(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host``'s address only, not on every interface; ``port`` 0: any.
+
+    ``host`` is an IP address or a name; a name is resolved here and its first address is used, the
+    one a client on this machine would try first. Raises OSError when that address is not this
+    machine's (``EADDRNOTAVAIL``) or the port is taken.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    s = socket.socket(family, kind, proto)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(address)
+        s.listen(socket.SOMAXCONN)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def is_loopback_name(host: str) -> bool:
+    """Whether ``host`` is a name (not an address) that resolves to loopback on this machine.
+
+    The Debian-style ``127.0.1.1 myhost`` line in /etc/hosts does that: peers resolve the same name
+    to the machine's real address, so a server bound to what it resolves to here would be unreachable.
+    """
+    try:
+        ipaddress.ip_address(host)
+        return False
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_torchdist.spark.jobspec import OUTCOME_FILE
+#: In the staging directory: the driver's verdict, for the hook.
+OUTCOME_FILE = "outcome.json"
 
 
 @dataclass

@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from airflow_provider_torchdist.spark.jvm_status import max_concurrent_tasks
+
 
 class SlotsUnavailable(RuntimeError):
     """The cluster has fewer task slots than the barrier stage needs."""
@@ -21,8 +23,7 @@ class SlotsUnavailable(RuntimeError):
 
 def available_slots(sc: Any) -> int:
     """How many tasks of the default resource profile this application can run at once."""
-    jsc = sc._jsc.sc()
-    return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+    return max_concurrent_tasks(sc)
 
 
 def wait_for_slots(

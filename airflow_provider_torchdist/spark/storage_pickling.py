@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import pickle
 import sys
+import warnings
 from typing import Any
 
 import cloudpickle
@@ -42,7 +43,9 @@ class OutputPickler(cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) is torch.storage.TypedStorage:
-            untyped = obj._untyped_storage
+            with warnings.catch_warnings():  # TypedStorage's deprecation notice: we only read it
+                warnings.simplefilter("ignore", UserWarning)
+                untyped = obj.untyped()
             if untyped.device.type != "cpu":
                 return super().reducer_override(obj)
             size = untyped.nbytes()

@@ -103,7 +103,13 @@ def main() -> None:
             assert path is not None
             # when the driver finished writing rank 0's output: the file's mtime
             landed["t_output_landed"] = path.stat().st_mtime_ns / 1e9
-            out = output_to_xcom(path, max_inline_bytes=DEFAULT_MAX_XCOM_OUTPUT_BYTES, store_uri=store_uri)
+            out = output_to_xcom(
+                path,
+                origin={"dag_id": "dag", "run_id": "run", "task_id": "train", "map_index": -1, "try": 1},
+                max_inline_bytes=DEFAULT_MAX_XCOM_OUTPUT_BYTES,
+                store_uri=store_uri,
+                store_base=f"file://{stamp_dir}/outputs",
+            )
             timings["t_to_xcom"] = time.time()
             return out
 

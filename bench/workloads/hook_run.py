@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ddp_trivial import train  # noqa: E402
 
 from airflow_provider_torchdist import TorchDistributorHook  # noqa: E402
+from airflow_provider_torchdist.spark.output_store import read_output  # noqa: E402
 
 T_IMPORTED = time.time()
 
@@ -28,10 +29,19 @@ def main() -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--local", action="store_true", help="local_mode=True: ranks on the Spark driver")
     mode.add_argument("--distributed", action="store_true", help="local_mode=False: a barrier stage")
+    parser.add_argument(
+        "--supervised",
+        action="store_true",
+        help="the operator's path: a detached supervisor owned over the lifeline (start_run + follow)",
+    )
     args = parser.parse_args()
     hook = TorchDistributorHook(num_processes=2, local_mode=args.local, use_gpu=False)
     t_run = time.time()
-    value = hook.run(train)
+    if args.supervised:
+        record = hook.start_run(train, durable=False)
+        value = hook.follow(record, read_output)
+    else:
+        value = hook.run(train)
     t_done = time.time()
     assert value["world_size"] == 2 and value["allreduce"] == 3.0, value
     timing = {"import_s": T_IMPORTED - T_PROCESS, "run_s": t_done - t_run, "t_run": t_run, "t_done": t_done}

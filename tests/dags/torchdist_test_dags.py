@@ -49,10 +49,14 @@ def make_dag(dag_id: str, local_mode: bool, fail_rank: int = -1):
         )
 
         @task
-        def evaluate(value) -> dict:
+        def evaluate(value, dag_run=None) -> dict:
             import torch
 
-            result = load_output(value)
+            from airflow_provider_torchdist import output_origin
+
+            # Signed and bound to this DAG run's train task: an envelope from another run is refused.
+            result = load_output(value, expect={"dag_id": dag_run.dag_id, "run_id": dag_run.run_id})
+            assert output_origin(value)["task_id"] == "train"
             assert isinstance(result["ranks"], torch.Tensor)
             return {
                 "rank": result["rank"],

@@ -1,12 +1,22 @@
-"""Shared set-up for the integration tests: an isolated Airflow home, and leftover-process checks."""
+"""Shared set-up for the integration tests: an isolated Airflow home, leftover-process checks, and
+the real Airflow deployment the DAG-level tests share (``deployment``; see ``deployment.py``)."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 
 import psutil
 import pytest
+
+from tests.integration.deployment import (
+    Deployment,
+    dag_folder,
+    processes_of,
+    start_deployment,
+    stop_deployment,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -61,3 +71,24 @@ def _parent(pid: int) -> int | None:
         return psutil.Process(pid).ppid()
     except psutil.Error:
         return None
+
+
+@pytest.fixture(scope="session")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """One real Airflow deployment for the whole session (``scripts/airflow-standalone`` in a temp
+    AIRFLOW_HOME), serving dags/ and tests/integration/dags/; stopped, with nothing left, at the end.
+
+    Tests share it: each triggers runs of its own DAGs and leaves no run going.
+    """
+    home = tmp_path_factory.mktemp("airflow_standalone_home")
+    dags = dag_folder(tmp_path_factory.mktemp("airflow_standalone_dags"))
+    launcher, running = start_deployment(home, dags)
+    try:
+        running.login()
+        yield running
+    finally:
+        forced = stop_deployment(launcher, home)
+        left = processes_of(home, launcher.pid)
+        assert not left, f"processes left running: {[' '.join(p.cmdline())[:120] for p in left]}"
+        # The launcher stops its components by itself; having to force them is a bug.
+        assert not forced, f"processes outlived the launcher's clean stop: {forced}"

@@ -72,7 +72,15 @@ def test_downstream_task_reads_rank_zero_value(dag_runs: tuple[dict, Path, str],
     assert summary == {"rank": 0, "world_size": 2, "tensor_type": "Tensor", "ranks": [2.0, 4.0]}
     # What the train task pushed is the documented envelope (a dict of tensors is not JSON).
     pushed = xcom(db, dag_id, states[dag_id]["run_id"], "train")
-    assert pushed["__torchdist_output__"] == 1 and pushed["format"] == "cloudpickle"
+    assert pushed["__torchdist_output__"] == 2 and pushed["format"] == "cloudpickle"
+    # Signed for the task try that produced it (the evaluate task checked it with expect=).
+    assert pushed["origin"] == {
+        "dag_id": dag_id,
+        "run_id": states[dag_id]["run_id"],
+        "task_id": "train",
+        "map_index": -1,
+        "try": 1,
+    }
     if dag_id.endswith("distributed"):  # the Spark UI link's URL, pushed while the run went on
         assert str(xcom(db, dag_id, states[dag_id]["run_id"], "train", "spark_ui_url")).startswith(
             "http://127.0.0.1:"

@@ -1,6 +1,7 @@
 """A real deployment: ``scripts/airflow-standalone`` (API server, scheduler, DAG processor and
 triggerer as separate processes; LocalExecutor; SQLite) serving dags/, driven through the REST API
-like a user would, then looked at in the UI.
+like a user would, then looked at in the UI. The deployment is the session's shared one (the
+``deployment`` fixture in conftest.py, helpers in deployment.py).
 
 The deployment runs with ``TORCHDIST_NO_LOGIN=1`` (SimpleAuthManager's ``all_admins``): the UI
 needs no login, so headless Chromium can screenshot it, and the API token comes from
@@ -13,178 +14,26 @@ The screenshot goes to ``artifacts/dag_run.png``. Chromium is installed by
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import socket
 import struct
 import subprocess
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
+from tests.integration.deployment import ROOT, ApiError, Deployment, processes_of, wait_for
+
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
-LAUNCHER = ROOT / "scripts" / "airflow-standalone"
 INSTALL_CHROMIUM = ROOT / "scripts" / "install-chromium"
 SCREENSHOT = ROOT / "artifacts" / "dag_run.png"
 DAG_ID = "ui_triggered_training"
 CONF = {"num_processes": 2, "local_mode": False, "learning_rate": 0.1, "epochs": 5}
-READY_TIMEOUT = 240
 RUN_TIMEOUT = 300
-
-
-class ApiError(Exception):
-    """A non-2xx answer from the REST API."""
-
-    def __init__(self, status: int, body: str) -> None:
-        super().__init__(f"HTTP {status}: {body[:2000]}")
-        self.status = status
-        self.body = body
-
-
-@dataclass
-class Deployment:
-    """A running ``scripts/airflow-standalone`` and a REST client for it."""
-
-    url: str
-    home: Path
-    pgid: int
-    token: str = ""
-
-    def call(self, method: str, path: str, body: Any = None, token: str | None = None) -> Any:
-        """One REST call with the bearer token; JSON in, JSON out."""
-        request = urllib.request.Request(
-            self.url + path,
-            method=method,
-            data=None if body is None else json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {token or self.token}"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return json.loads(response.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            raise ApiError(exc.code, exc.read().decode(errors="replace")) from None
-
-    def log_tail(self, lines: int = 60) -> str:
-        """The end of the launcher's and the components' output, for failure messages."""
-        parts = []
-        for name in ("launcher.log", "api-server.log", "scheduler.log", "dag-processor.log", "triggerer.log"):
-            path = self.home / name
-            if path.exists():
-                text = path.read_text(errors="replace").splitlines()[-lines:]
-                parts.append(f"--- {name}\n" + "\n".join(text))
-        return "\n".join(parts)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(predicate: Any, timeout: float, what: str, interval: float = 1.0) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
-def processes_of(home: Path, pgid: int) -> list[psutil.Process]:
-    """Every live process of this deployment: in the launcher's process group, or started with its
-    AIRFLOW_HOME (task processes give spark-submit a session of its own)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if os.getpgid(proc.pid) == pgid or proc.environ().get("AIRFLOW_HOME") == str(home):
-                found.append(proc)
-        except (psutil.Error, ProcessLookupError):
-            continue
-    return found
-
-
-def stop_deployment(launcher: subprocess.Popen[bytes], home: Path) -> list[str]:
-    """SIGTERM the launcher (it stops the components cleanly), then force whatever is left; return
-    what had to be forced."""
-    pgid = launcher.pid
-    launcher.send_signal(signal.SIGTERM)
-    try:
-        launcher.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        pass
-    forced = []
-    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        left = processes_of(home, pgid)
-        if not left:
-            break
-        forced += [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in left if sig == signal.SIGTERM]
-        for proc in left:
-            try:
-                proc.send_signal(sig)
-            except psutil.Error:
-                pass
-        psutil.wait_procs(left, timeout=grace)
-    launcher.wait(timeout=10)
-    return forced
-
-
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    """Start ``scripts/airflow-standalone`` in a temp AIRFLOW_HOME on a free port; stop it all after."""
-    home = tmp_path_factory.mktemp("airflow_standalone_home")
-    port = free_port()
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(("AIRFLOW__", "AIRFLOW_CONN_")) and key != "VIRTUAL_ENV"
-    }
-    env |= {
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW_PORT": str(port),
-        "TORCHDIST_NO_LOGIN": "1",
-        "READY_TIMEOUT": str(READY_TIMEOUT),
-        # A PATH without the venv: the launcher must put it there itself (components run as `airflow`).
-        "PATH": os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if ".venv" not in p),
-    }
-    started = time.monotonic()
-    with open(home / "launcher.log", "wb") as out:
-        launcher = subprocess.Popen(
-            ["bash", str(LAUNCHER)], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    deployment = Deployment(url=f"http://127.0.0.1:{port}", home=home, pgid=launcher.pid)
-    try:
-
-        def ready() -> bool:
-            assert launcher.poll() is None, (
-                f"the launcher exited ({launcher.returncode}):\n{deployment.log_tail()}"
-            )
-            return "Airflow is ready at" in (home / "launcher.log").read_text(errors="replace")
-
-        wait_for(ready, READY_TIMEOUT + 30, "scripts/airflow-standalone to report ready")
-        print(f"deployment ready in {time.monotonic() - started:.1f} s")
-        yield deployment
-    finally:
-        forced = stop_deployment(launcher, home)
-        left = processes_of(home, launcher.pid)
-        assert not left, f"processes left running: {[' '.join(p.cmdline())[:120] for p in left]}"
-        # The launcher stops its components by itself; having to force them is a bug.
-        assert not forced, f"processes outlived the launcher's clean stop: {forced}"
 
 
 def test_every_server_listens_on_loopback_only(deployment: Deployment) -> None:

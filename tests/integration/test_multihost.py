@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,10 +14,7 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, TrainingFailed
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import spark_cluster  # noqa: E402
+from tests.cluster import ClusterInfo, leftover_network, start_cluster, stop_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_leftovers")]
 
@@ -28,11 +24,11 @@ FAKE_GPUS = Path(__file__).parent / "fixtures" / "fake_gpus.sh"
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[spark_cluster.ClusterInfo]:
+def cluster() -> Iterator[ClusterInfo]:
     """Master + 2 workers (2 cores, 2 fake GPUs each), every worker in its own namespace."""
     if os.geteuid() != 0:
         pytest.fail("the multi-host tests need root to create network namespaces")
-    info = spark_cluster.start_cluster(
+    info = start_cluster(
         workers=2,
         cores=2,
         memory="1g",
@@ -47,11 +43,11 @@ def cluster() -> Iterator[spark_cluster.ClusterInfo]:
     try:
         yield info
     finally:
-        spark_cluster.stop_cluster(info)
-    assert not spark_cluster.leftover_network("tdmh")
+        stop_cluster(info)
+    assert not leftover_network("tdmh")
 
 
-def connect(monkeypatch: pytest.MonkeyPatch, info: spark_cluster.ClusterInfo, web_ui: bool = True) -> str:
+def connect(monkeypatch: pytest.MonkeyPatch, info: ClusterInfo, web_ui: bool = True) -> str:
     """A ``spark`` connection to the cluster, the usual Airflow way (an AIRFLOW_CONN_ variable)."""
     extra = {"master-web-ui": info.master_ui_url} if web_ui else {}
     conn = {
@@ -65,9 +61,7 @@ def connect(monkeypatch: pytest.MonkeyPatch, info: spark_cluster.ClusterInfo, we
     return conn_id
 
 
-def cluster_hook(
-    monkeypatch: pytest.MonkeyPatch, info: spark_cluster.ClusterInfo, **kwargs
-) -> TorchDistributorHook:
+def cluster_hook(monkeypatch: pytest.MonkeyPatch, info: ClusterInfo, **kwargs) -> TorchDistributorHook:
     conf = {
         # The driver stays in the root namespace, reachable from the workers on the bridge only.
         "spark.driver.host": DRIVER_HOST,
@@ -113,7 +107,7 @@ def where_ranks_ran() -> list[dict]:
 
 
 def test_ranks_rendezvous_across_two_test_hosts(
-    cluster: spark_cluster.ClusterInfo, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     ranks = cluster_hook(monkeypatch, cluster, num_processes=2).run(where_ranks_ran)
 
@@ -126,7 +120,7 @@ def test_ranks_rendezvous_across_two_test_hosts(
         assert f"[rank {rank} @ {address}] rank {rank} at {address}" in text  # live logs from both hosts
 
 
-def test_two_by_two_topology(cluster: spark_cluster.ClusterInfo, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_by_two_topology(cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch) -> None:
     ranks = cluster_hook(monkeypatch, cluster, num_processes=4, nproc_per_node=2).run(where_ranks_ran)
 
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
@@ -139,7 +133,7 @@ def test_two_by_two_topology(cluster: spark_cluster.ClusterInfo, monkeypatch: py
 
 
 def test_spark_assigned_gpus_become_cuda_visible_devices(
-    cluster: spark_cluster.ClusterInfo, monkeypatch: pytest.MonkeyPatch
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hook = cluster_hook(
         monkeypatch,
@@ -157,14 +151,14 @@ def test_spark_assigned_gpus_become_cuda_visible_devices(
 
 
 def test_job_too_big_for_the_cluster_fails_fast(
-    cluster: spark_cluster.ClusterInfo, monkeypatch: pytest.MonkeyPatch
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # With the master's web UI known, the hook refuses before spark-submit.
     started = time.monotonic()
     hook = cluster_hook(monkeypatch, cluster, num_processes=6)
     with pytest.raises(InvalidTrainingConfig, match=r"needs 6 task slot\(s\).*never offer more than 4"):
         hook.run(where_ranks_ran)
-    assert hook._submit_sp is None
+    assert hook.submission is None
     assert time.monotonic() - started < 5
 
     # Without it, the driver sees too few executor slots and fails well inside 30 s, not Spark's 10 min.
@@ -185,7 +179,7 @@ def tag(value: str) -> dict:
 
 
 def test_three_concurrent_runs_each_get_their_own_result(
-    cluster: spark_cluster.ClusterInfo, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     results: dict[str, object] = {}
 

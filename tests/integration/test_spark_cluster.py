@@ -1,4 +1,4 @@
-"""Integration tests for scripts/spark_cluster.py: a real Spark standalone cluster plus spark-submit.
+"""Integration tests for ``tests.cluster``: a real Spark standalone cluster plus spark-submit.
 
 The netns test is the one that matters for distributed training: every Worker lives in its own
 network namespace, so a 2-task barrier stage must land on two different IP addresses, and executors
@@ -7,22 +7,29 @@ must reach the driver (and each other) over the bridge.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from airflow_provider_torchdist.processes import is_alive
+from tests.cluster import (
+    check_netns_connectivity,
+    cluster_processes,
+    cluster_status,
+    leftover_network,
+    spark_cluster,
+    start_cluster,
+    stop_cluster,
+)
+from tests.cluster.__main__ import main as cluster_cli
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
 
 # Own prefix and subnet, so these tests neither clobber nor collide with a cluster started by hand
 # with the CLI defaults (td / 10.231.0).
@@ -68,21 +75,6 @@ PROBE_APP = textwrap.dedent(
     print("BARRIER_RESULT " + json.dumps(rows), flush=True)
     """
 )
-
-
-def _load_spark_cluster() -> ModuleType:
-    name = "spark_cluster"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "spark_cluster.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(module)
-    return module
-
-
-sc_mod = _load_spark_cluster()
 
 
 def require_java() -> None:
@@ -135,10 +127,10 @@ def _submit_probe(info, tmp_path: Path, timeout: float = 240.0) -> list[dict]:
 
 def _assert_stopped(info) -> None:
     """Nothing the cluster started is alive, and its namespaces/devices are gone."""
-    assert not sc_mod.cluster_processes(info), "cluster processes survived stop_cluster"
-    alive = [pid for pid in info.pids if sc_mod.pid_alive(pid)]
+    assert not cluster_processes(info), "cluster processes survived stop_cluster"
+    alive = [pid for pid in info.pids if is_alive(pid)]
     assert not alive, f"daemon PIDs still alive: {alive}"
-    assert sc_mod.leftover_network(info.prefix) == []
+    assert leftover_network(info.prefix) == []
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     assert not set(info.netns_names) & set(namespaces)
 
@@ -149,7 +141,7 @@ def test_barrier_stage_spans_two_network_namespaces(tmp_path: Path) -> None:
     # Leftovers of a crashed run with this prefix: `up` must remove them first.
     subprocess.run(["ip", "netns", "add", f"{NETNS_PREFIX}-w9"], check=True)
     subprocess.run(["ip", "link", "add", f"{NETNS_PREFIX}br0", "type", "bridge"], check=True)
-    info = sc_mod.start_cluster(
+    info = start_cluster(
         workers=2,
         cores=1,
         memory="1g",
@@ -163,16 +155,16 @@ def test_barrier_stage_spans_two_network_namespaces(tmp_path: Path) -> None:
         assert info.driver_host == f"{NETNS_SUBNET}.1"
         assert info.worker_hosts == [f"{NETNS_SUBNET}.11", f"{NETNS_SUBNET}.12"]
         assert info.netns_names == [f"{NETNS_PREFIX}-w1", f"{NETNS_PREFIX}-w2"]
-        assert f"{NETNS_PREFIX}-w9" not in sc_mod.leftover_network(NETNS_PREFIX)
+        assert f"{NETNS_PREFIX}-w9" not in leftover_network(NETNS_PREFIX)
         # Already done by start_cluster; repeated here so a network problem fails with its own message.
-        sc_mod.check_netns_connectivity(info)
+        check_netns_connectivity(info)
         state = json.loads((tmp_path / "cluster" / "state.json").read_text())
         assert state["master_pid"] == info.master_pid
         assert [w["netns"] for w in state["workers"]] == info.netns_names
 
         rows = _submit_probe(info, tmp_path)
     finally:
-        sc_mod.stop_cluster(info)
+        stop_cluster(info)
     _assert_stopped(info)
 
     assert sorted(r["partition"] for r in rows) == [0, 1]
@@ -194,13 +186,11 @@ def test_barrier_stage_spans_two_network_namespaces(tmp_path: Path) -> None:
 
 def test_loopback_cluster_runs_barrier_stage(tmp_path: Path) -> None:
     require_java()
-    with sc_mod.spark_cluster(
-        workers=2, cores=1, memory="1g", prefix="tdlo", state_dir=tmp_path / "c"
-    ) as info:
+    with spark_cluster(workers=2, cores=1, memory="1g", prefix="tdlo", state_dir=tmp_path / "c") as info:
         assert info.master_host == "127.0.0.1"
         assert info.worker_hosts == ["127.0.0.1", "127.0.0.1"]
         assert not info.netns_names
-        status = sc_mod.cluster_status(info)
+        status = cluster_status(info)
         assert status["alive_workers"] == 2
         rows = _submit_probe(info, tmp_path)
     _assert_stopped(info)
@@ -219,10 +209,10 @@ def test_down_without_state_removes_stale_network(tmp_path: Path) -> None:
     subprocess.run(["ip", "netns", "add", f"{prefix}-w1"], check=True)
     subprocess.run(["ip", "link", "add", f"{prefix}br0", "type", "bridge"], check=True)
     try:
-        assert sorted(sc_mod.leftover_network(prefix)) == sorted([f"{prefix}-w1", f"{prefix}br0"])
-        rc = sc_mod.main(["down", "--prefix", prefix, "--state-dir", str(tmp_path / "none")])
+        assert sorted(leftover_network(prefix)) == sorted([f"{prefix}-w1", f"{prefix}br0"])
+        rc = cluster_cli(["down", "--prefix", prefix, "--state-dir", str(tmp_path / "none")])
         assert rc == 0
-        assert sc_mod.leftover_network(prefix) == []
+        assert leftover_network(prefix) == []
     finally:
         subprocess.run(["ip", "netns", "del", f"{prefix}-w1"], capture_output=True)
         subprocess.run(["ip", "link", "del", f"{prefix}br0"], capture_output=True)

@@ -162,14 +162,14 @@ def test_unpicklable_callable_fails_before_spark_submit() -> None:
     with pytest.raises(PayloadNotPicklable, match="closure variable 'lock'") as info:
         hook.run(train_with_lock)
     assert "pickle" in str(info.value)
-    assert hook._submit_sp is None  # spark-submit never started
+    assert hook.submission is None  # spark-submit never started
 
 
 def test_missing_script_fails_before_spark_submit(tmp_path: Path) -> None:
     hook = TorchDistributorHook(num_processes=2)
     with pytest.raises(InvalidTrainingConfig, match="does not exist"):
         hook.run(str(tmp_path / "nope.py"))
-    assert hook._submit_sp is None
+    assert hook.submission is None
 
 
 def test_spark_connection_master_is_used(

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,10 +21,7 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import SparkSubmitFailed, TrainingFailed
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import spark_cluster  # noqa: E402
+from tests.cluster import ClusterInfo, leftover_network, start_cluster, stop_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -44,21 +40,19 @@ HEARTBEAT_TIMEOUT_15S = {
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[spark_cluster.ClusterInfo]:
+def cluster() -> Iterator[ClusterInfo]:
     """Master + 4 one-core workers, each in its own network namespace (its own "host").
 
     Each test loses one worker and a run takes two, so the three tests share one cluster.
     """
     if os.geteuid() != 0:
         pytest.fail("the worker-loss test needs root to create network namespaces (CI runs as root)")
-    info = spark_cluster.start_cluster(
-        workers=4, cores=1, memory="1g", netns=True, prefix=PREFIX, subnet=SUBNET
-    )
+    info = start_cluster(workers=4, cores=1, memory="1g", netns=True, prefix=PREFIX, subnet=SUBNET)
     try:
         yield info
     finally:
-        spark_cluster.stop_cluster(info)
-    assert not spark_cluster.leftover_network(PREFIX)
+        stop_cluster(info)
+    assert not leftover_network(PREFIX)
 
 
 def train_until_stopped(marker_dir: str, seconds: float) -> int:
@@ -131,7 +125,7 @@ def _run_tree(rank_pid: int, worker_pids: set[int]) -> dict[str, int]:
 def test_worker_lost_mid_training_fails_the_run_clearly_and_leaves_nothing(
     lost_node: int,
     how: str,
-    cluster: spark_cluster.ClusterInfo,
+    cluster: ClusterInfo,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
     no_leftovers: None,

@@ -7,13 +7,14 @@ Row ids match the table's "test" column. Run-time rows live in tests/integration
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import cloudpickle
 import pytest
 import torch
 
@@ -25,29 +26,30 @@ from airflow_provider_torchdist.errors import (
 )
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
-from airflow_provider_torchdist.results import OutputSignatureError, load_output, to_xcom
+from airflow_provider_torchdist.results import OutputSignatureError, load_output
 
 
 def _train(x: int = 1) -> int:
     return x
 
 
-@pytest.fixture
-def no_submit(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Fail loudly if any hook gets as far as starting spark-submit."""
-    started: list[str] = []
-
-    def submit(self, application: str = "", **kwargs) -> None:
-        started.append(application)
-        raise AssertionError("spark-submit was started for a run that should have been refused")
-
-    monkeypatch.setattr(TorchDistributorHook, "submit", submit)
-    return started
-
-
 def _refused_before_submit(hook: TorchDistributorHook, staging: Path, started: list[str]) -> None:
-    assert started == [] and hook._submit_sp is None  # spark-submit never ran
+    assert started == [] and hook.plan is None  # nothing planned, spark-submit never ran
     assert not staging.exists() or list(staging.iterdir()) == []  # nothing staged, or staged and removed
+
+
+@pytest.fixture
+def made_hooks(monkeypatch: pytest.MonkeyPatch) -> list[TorchDistributorHook]:
+    """Every hook an operator makes (through ``make_hook``)."""
+    hooks: list[TorchDistributorHook] = []
+    real = TorchDistributorOperator.make_hook
+
+    def make_hook(self: TorchDistributorOperator, context: object = None) -> TorchDistributorHook:
+        hooks.append(real(self, context))
+        return hooks[-1]
+
+    monkeypatch.setattr(TorchDistributorOperator, "make_hook", make_hook)
+    return hooks
 
 
 # -- DAG parse time: the operator's constructor ---------------------------------------------------
@@ -91,6 +93,134 @@ PARSE_TIME = [
         r"spark\.ssl\.enabled=true, but torch\.distributed traffic.*pass allow_unencrypted=True",
         id="ssl-without-allow_unencrypted",
     ),
+    pytest.param(
+        {"num_processes": 100_001},
+        r"num_processes=100001 is more than 100000: more ranks than any Spark cluster could schedule",
+        id="num_processes-absurd",
+    ),
+    pytest.param(
+        {"num_processes": 2050, "nproc_per_node": 1025},
+        r"nproc_per_node=1025 is more than 1024: more ranks than one machine could run",
+        id="nproc_per_node-absurd",
+    ),
+    pytest.param(
+        {"num_processes": 1025, "local_mode": True},
+        r"num_processes=1025 is more than 1024: local_mode=True runs every rank on the Spark driver",
+        id="num_processes-absurd-local_mode",
+    ),
+    pytest.param(
+        {"num_processes": "\uff12"},  # FULLWIDTH DIGIT TWO: str.isdigit() and int() accept it
+        r"num_processes must be an integer >= 1 written with ASCII digits 0-9, got '\uff12'",
+        id="num_processes-fullwidth-digit",
+    ),
+    pytest.param(
+        {"max_restarts": "\u0663"},  # ARABIC-INDIC DIGIT THREE
+        r"max_restarts must be an integer >= 0 written with ASCII digits 0-9, got '\u0663'",
+        id="max_restarts-arabic-indic-digit",
+    ),
+    pytest.param(
+        {"rendezvous_timeout": float("nan")},
+        r"rendezvous_timeout must be a whole number of seconds >= 1, got nan",
+        id="rendezvous_timeout-nan",
+    ),
+    pytest.param(
+        {"rendezvous_timeout": float("inf")},
+        r"rendezvous_timeout must be a whole number of seconds >= 1, got inf",
+        id="rendezvous_timeout-inf",
+    ),
+    pytest.param(
+        {"rendezvous_timeout": -5},
+        r"rendezvous_timeout must be a whole number of seconds >= 1, got -5",
+        id="rendezvous_timeout-negative",
+    ),
+    pytest.param(
+        {"rendezvous_timeout": 10**9},
+        r"rendezvous_timeout must be at most 604800 seconds \(a week\), got 1000000000",
+        id="rendezvous_timeout-too-long",
+    ),
+    pytest.param(
+        {"slot_timeout": float("nan")},
+        r"slot_timeout must be a finite number of seconds > 0, got nan",
+        id="slot_timeout-nan",
+    ),
+    pytest.param(
+        {"slot_timeout": float("-inf")},
+        r"slot_timeout must be a finite number of seconds > 0, got -inf",
+        id="slot_timeout-inf",
+    ),
+    pytest.param(
+        {"slot_timeout": 0},
+        r"slot_timeout must be a finite number of seconds > 0, got 0",
+        id="slot_timeout-0",
+    ),
+    pytest.param(
+        {"max_xcom_output_bytes": -1},
+        r"max_xcom_output_bytes must be an integer >= 0, got -1",
+        id="max_xcom_output_bytes-negative",
+    ),
+    pytest.param(
+        {"max_xcom_output_bytes": True},
+        r"max_xcom_output_bytes must be an integer >= 0, got True",
+        id="max_xcom_output_bytes-bool",
+    ),
+    pytest.param(
+        {"max_xcom_output_bytes": 1.5},
+        r"max_xcom_output_bytes must be an integer >= 0, got 1\.5",
+        id="max_xcom_output_bytes-float",
+    ),
+    pytest.param({"local_mode": "yes"}, r"local_mode must be True or False, got 'yes'", id="local_mode-yes"),
+    pytest.param({"use_gpu": "1"}, r"use_gpu must be True or False, got '1'", id="use_gpu-str-1"),
+    pytest.param(
+        {"allow_unencrypted": ""},
+        r"allow_unencrypted must be True or False, got ''",
+        id="allow_unencrypted-empty",
+    ),
+    pytest.param(
+        {"spark_submit_kwargs": {"fast_jvm_start": "yes"}},
+        r"fast_jvm_start must be True or False, got 'yes'",
+        id="fast_jvm_start-yes",
+    ),
+    pytest.param(
+        {"train_object": "/dags/train.sh"},
+        r"train_object script '/dags/train\.sh' is not a \.py file.*or pass a callable",
+        id="train_object-not-py",
+    ),
+    pytest.param(
+        {"train_object": "/dags/torchdist_driver.py"},
+        r"train_object script name 'torchdist_driver\.py' is the name of one of this provider's own "
+        r"staged files \(.*payload\.pkl.*spec\.json.*\).*Rename the script",
+        id="train_object-staged-name",
+    ),
+    pytest.param(
+        {"train_object": "/dags/train,eval.py"},
+        r"train_object script name 'train,eval\.py' contains ','.*--files splits.*Rename the file",
+        id="train_object-comma",
+    ),
+    pytest.param(
+        {"train_object": "/dags/train#2.py"},
+        r"train_object script name 'train#2\.py' contains '#'.*'rename to'.*Rename the file",
+        id="train_object-hash",
+    ),
+    pytest.param(
+        {"checkpoint_dir": "ckpt"},
+        r"checkpoint_dir 'ckpt' is not an absolute path.*Give an absolute path",
+        id="checkpoint_dir-relative",
+    ),
+    pytest.param(
+        {"checkpoint_dir": "s3://bucket/ckpt"},
+        r"checkpoint_dir 's3://bucket/ckpt' is a s3:// URI, but the checkpoint helpers.*file:/// URI",
+        id="checkpoint_dir-uri",
+    ),
+    pytest.param(
+        {"output_path": "outputs"},
+        r"output_path 'outputs' is not an absolute path.*Give an absolute path",
+        id="output_path-relative",
+    ),
+    pytest.param(
+        {"output_path": "file://host/outputs"},
+        r"output_path 'file://host/outputs' is not an absolute path.*Write file:///absolute/path",
+        id="output_path-file-uri-with-host",
+    ),
 ]
 
 
@@ -101,6 +231,26 @@ def test_refused_when_the_dag_is_parsed(kwargs: dict, message: str, no_submit: l
     assert no_submit == []
 
 
+def test_good_values_of_the_new_checks_are_accepted() -> None:
+    op = TorchDistributorOperator(
+        task_id="train",
+        train_object="/dags/train.py",
+        num_processes=100_000,
+        nproc_per_node=1000,
+        rendezvous_timeout="600",
+        slot_timeout=2,
+        max_xcom_output_bytes=0,
+        allow_unencrypted="false",
+        checkpoint_dir="file:///shared/ckpt",
+        output_path="s3://bucket/outputs",
+        spark_submit_kwargs={"fast_jvm_start": "False"},
+    )
+    assert (op.rendezvous_timeout, op.slot_timeout, op.allow_unencrypted) == (600, 2.0, False)
+    # fast_jvm_start is a setting of its own now; spark_submit_kwargs still takes it, as before.
+    assert op.fast_jvm_start is False and "fast_jvm_start" not in op.spark_submit_kwargs
+    assert op.training_spec().fast_jvm_start is False
+
+
 def test_ssl_with_allow_unencrypted_is_accepted() -> None:
     TorchDistributorOperator(
         task_id="train", train_object=_train, conf={"spark.ssl.enabled": "true"}, allow_unencrypted=True
@@ -109,18 +259,33 @@ def test_ssl_with_allow_unencrypted_is_accepted() -> None:
 
 class _TI:
     dag_id, run_id, task_id, map_index, try_number = "d", "manual__1", "train", -1, 1
+    stats_tags: dict = {}  # noqa: RUF012 (read by ResumableJobMixin)
 
     def xcom_push(self, key: str, value: object) -> None:
         pass
 
 
-def test_templated_num_processes_rendering_to_abc_is_refused_before_the_hook(no_submit: list[str]) -> None:
+def test_templated_num_processes_rendering_to_abc_is_refused_before_the_hook(
+    no_submit: list[str], made_hooks: list[TorchDistributorHook]
+) -> None:
     op = TorchDistributorOperator(task_id="train", train_object=_train, num_processes="{{ params.n }}")
     op.render_template_fields({"params": {"n": "abc"}})
     assert op.num_processes == "abc"
     with pytest.raises(InvalidTrainingConfig, match=r"num_processes must be an integer >= 1, got 'abc'"):
         op.execute({"ti": _TI()})
-    assert op._hook is None and no_submit == []  # refused before any hook, let alone spark-submit
+    assert made_hooks == [] and no_submit == []  # refused before any hook, let alone spark-submit
+
+
+def test_templated_checkpoint_dir_rendering_to_a_relative_path_is_refused_before_the_hook(
+    no_submit: list[str], made_hooks: list[TorchDistributorHook]
+) -> None:
+    op = TorchDistributorOperator(task_id="train", train_object=_train, checkpoint_dir="{{ params.dir }}")
+    op.render_template_fields({"params": {"dir": "relative/ckpt"}})
+    with pytest.raises(
+        InvalidTrainingConfig, match=r"checkpoint_dir 'relative/ckpt' is not an absolute path"
+    ):
+        op.execute({"ti": _TI()})
+    assert made_hooks == [] and no_submit == []
 
 
 # -- at the start of the task, before spark-submit: the hook -------------------------------------
@@ -252,10 +417,10 @@ def test_use_gpu_in_local_mode_without_gpus(
 
 
 def test_ssl_enabled_without_allow_unencrypted(staging: Path, no_submit: list[str]) -> None:
-    hook = TorchDistributorHook(num_processes=2, conf={"spark.ssl.enabled": "true"}, staging_dir=str(staging))
+    # Refused as the hook's spec is built: before anything is resolved, staged or run.
     with pytest.raises(InvalidTrainingConfig, match=r"spark\.ssl\.enabled=true.*allow_unencrypted=True"):
-        hook.run(_train)
-    _refused_before_submit(hook, staging, no_submit)
+        TorchDistributorHook(num_processes=2, conf={"spark.ssl.enabled": "true"}, staging_dir=str(staging))
+    assert no_submit == [] and list(staging.iterdir()) == []
 
 
 class _FakeMaster(BaseHTTPRequestHandler):
@@ -300,13 +465,149 @@ def test_too_many_processes_for_the_cluster(
     _refused_before_submit(hook, staging, no_submit)
 
 
+@pytest.mark.parametrize("name", ["torchdist_driver.py", "a,b.py", "a#b.py"])
+def test_script_name_refused_by_the_hook(
+    name: str, tmp_path: Path, staging: Path, no_submit: list[str]
+) -> None:
+    script = tmp_path / name
+    script.write_text("print('hi')\n")
+    hook = TorchDistributorHook(num_processes=2, staging_dir=str(staging))
+    with pytest.raises(InvalidTrainingConfig, match=rf"train_object script name '{re.escape(name)}'"):
+        hook.run(str(script))
+    _refused_before_submit(hook, staging, no_submit)
+
+
+@pytest.mark.parametrize(
+    "checkpoint_dir, message",
+    [
+        pytest.param("ckpt", r"checkpoint_dir 'ckpt' is not an absolute path", id="relative"),
+        pytest.param("~/ckpt", r"not an absolute path.*\(~ is not expanded\)", id="tilde"),
+        pytest.param("hdfs://nn/ckpt", r"is a hdfs:// URI, but the checkpoint helpers", id="uri"),
+        pytest.param("file://host/ckpt", r"Write file:///absolute/path", id="file-uri-with-host"),
+    ],
+)
+def test_checkpoint_dir_refused_by_the_hook(
+    checkpoint_dir: str, message: str, staging: Path, no_submit: list[str]
+) -> None:
+    # Refused as the hook's spec is built: before anything is resolved, staged or run.
+    with pytest.raises(InvalidTrainingConfig, match=message):
+        TorchDistributorHook(num_processes=2, checkpoint_dir=checkpoint_dir, staging_dir=str(staging))
+    assert no_submit == [] and list(staging.iterdir()) == []
+
+
+def test_checkpoint_dir_that_cannot_be_written(tmp_path: Path, staging: Path, no_submit: list[str]) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    hook = TorchDistributorHook(
+        num_processes=2, checkpoint_dir=str(blocker / "ckpt"), staging_dir=str(staging)
+    )
+    with pytest.raises(
+        InvalidTrainingConfig,
+        match=r"checkpoint_dir '.*/a-file/ckpt' \(resolved to .*\) is not a directory this Airflow worker "
+        r"can write: Not a directory\..*or set checkpoint_dir to one",
+    ):
+        hook.run(_train)
+    _refused_before_submit(hook, staging, no_submit)
+
+
+def test_output_path_that_cannot_be_written(tmp_path: Path, no_submit: list[str]) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    op = TorchDistributorOperator(task_id="train", train_object=_train, output_path=f"file://{blocker}/out")
+    with pytest.raises(
+        InvalidTrainingConfig,
+        match=r"output_path 'file://.*/a-file/out' \(resolved to .*\) is not a directory this Airflow "
+        r"worker can write: Not a directory",
+    ):
+        op.execute({"ti": _TI()})
+    assert no_submit == []
+
+
+@pytest.mark.parametrize("as_uri", [False, True], ids=["path", "file-uri"])
+def test_local_directories_are_created_private_and_test_written(tmp_path: Path, as_uri: bool) -> None:
+    from airflow_provider_torchdist.preflight import check_checkpoint_dir, check_output_path
+
+    for check, name in ((check_checkpoint_dir, "ckpt"), (check_output_path, "out")):
+        target = tmp_path / name / "dag" / "run"
+        resolved = check(f"file://{target}" if as_uri else str(target))
+        assert resolved == str(target.resolve())
+        for made in (tmp_path / name, tmp_path / name / "dag", target):
+            assert made.stat().st_mode & 0o777 == 0o700
+        assert list(target.iterdir()) == []  # the test write left nothing behind
+    assert check_output_path("s3://bucket/outputs") is None  # remote storage: left to its client
+    assert check_checkpoint_dir(None) is None
+
+
+def test_a_file_uri_checkpoint_dir_is_the_local_path_for_the_ranks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from airflow_provider_torchdist.spark.checkpoints import CHECKPOINT_ENV, checkpoint_dir
+
+    monkeypatch.setenv(CHECKPOINT_ENV, f"file://{tmp_path}/ckpt")
+    assert checkpoint_dir() == tmp_path / "ckpt"  # what preflight checked, not a relative "file:/..."
+
+
+# -- paths derived from the run's ids -----------------------------------------------------------
+
+HOSTILE_RUN_IDS = [
+    ".",
+    "..",
+    "a/../b",
+    "a/b",
+    "../../../etc",
+    "/abs",
+    "%2E%2E",
+    "a%2Fb",
+    ".hidden",
+    "%2Ehidden",
+    "manual__2024-01-01T00:00:00+00:00",
+]
+
+
+def _ti(run_id: str, task_id: str = "train", map_index: int = -1) -> _TI:
+    ti = _TI()
+    ti.run_id, ti.task_id, ti.map_index = run_id, task_id, map_index
+    return ti
+
+
+def _under(path: str, base: str) -> list[str]:
+    """The components of ``path`` below ``base``; fails unless ``path`` stays under it."""
+    normal = os.path.normpath(path)
+    assert normal == path.rstrip("/") and normal.startswith(base + os.sep), (path, base)
+    parts = normal[len(base) + 1 :].split(os.sep)
+    assert not {".", "..", ""} & set(parts), parts
+    return parts
+
+
+@pytest.mark.parametrize("run_id", HOSTILE_RUN_IDS)
+def test_hostile_run_id_stays_under_the_base(run_id: str, tmp_path: Path) -> None:
+    op = TorchDistributorOperator(task_id="train", train_object=_train, output_path=str(tmp_path / "out"))
+    context = {"ti": _ti(run_id)}
+    checkpoint = op.default_checkpoint_dir(context)
+    base = os.path.join(os.environ["AIRFLOW_HOME"], "torchdist-checkpoints")
+    assert len(_under(checkpoint, base)) == 3  # <dag>/<run>/<task>: the run id is one component
+    assert len(_under(op.output_uri(context), str(tmp_path / "out"))) == 3
+
+
+def test_distinct_ids_give_distinct_paths() -> None:
+    op = TorchDistributorOperator(task_id="train", train_object=_train)
+    tis = [_ti(run_id) for run_id in HOSTILE_RUN_IDS]
+    # A task "t-1" and task "t" mapped at index 1, and ids differing only by an encoded character.
+    tis += [_ti("r", "t-1"), _ti("r", "t", 1), _ti("r", "t@1"), _ti("r", "t%401")]
+    checkpoints = {op.default_checkpoint_dir({"ti": ti}) for ti in tis}
+    outputs = {op.output_uri({"ti": ti}) for ti in tis}
+    assert len(checkpoints) == len(outputs) == len(tis)
+
+
 # -- downstream, when the output is loaded --------------------------------------------------------
 
 
-def test_envelope_from_another_deployment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY", "deployment-a")
-    envelope = to_xcom(cloudpickle.dumps(torch.arange(3)))
-    monkeypatch.setenv("AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY", "deployment-b")
+def test_envelope_from_another_deployment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from tests.unit.test_results import to_xcom
+
+    monkeypatch.setenv("AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY", "deployment-a" * 3)
+    envelope = to_xcom(torch.arange(3), tmp_path)
+    monkeypatch.setenv("AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY", "deployment-b" * 3)
     with pytest.raises(OutputSignatureError, match=r"another \[torchdist\] output_signing_key.*Re-run"):
         load_output(envelope)
 

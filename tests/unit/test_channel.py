@@ -1,4 +1,8 @@
-"""The run channel: token auth, line forwarding, errors and failures, rank 0's output."""
+"""The run channel's server: hello and identity, line forwarding, who may send what, rank 0's output.
+
+How reports turn into failures is the ledger's job (``test_ledger.py``); the messages themselves are
+``test_protocol.py``'s; the owner stream is ``test_channel_owner.py``'s.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +11,32 @@ import json
 import os
 import socket
 import stat
+import time
 from dataclasses import dataclass
 
 import pytest
 
-from airflow_provider_torchdist.spark.channel import ChannelClient, RunChannel, rank_prefix
+from airflow_provider_torchdist.spark.channel import ChannelClient, ChannelRefused, RunChannel
+from airflow_provider_torchdist.spark.channel_auth import HelloRefused, peer_matches
 from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE
 from airflow_provider_torchdist.spark.outcome import RankFailure
+from airflow_provider_torchdist.spark.protocol import Metric, NodeStarted
 from tests.unit.conftest import fast_shutdown, wait_until
 
 TOKEN = "the-run-secret"
+HOST = "localhost"  # what the fake scheduler says every task runs on: this machine
+#: The fake scheduler: (partition, task attempt id) of the running barrier tasks, and their host.
+SCHEDULED = {(0, 100): HOST, (1, 101): HOST, (2, 102): HOST}
+NPROC = 2  # ranks per node: node n runs ranks 2n and 2n+1
+
+
+def fake_scheduler(node: int, task_attempt: int, peer_ip: str) -> str:
+    host = SCHEDULED.get((node, task_attempt))
+    if host is None:
+        raise HelloRefused(f"no task attempt {task_attempt} of partition {node}")
+    if not peer_matches(peer_ip, host):
+        raise HelloRefused(f"node {node} runs on {host}, not {peer_ip}")
+    return host
 
 
 @dataclass
@@ -33,24 +53,54 @@ class Channel:
     def lines(self) -> list[str]:
         return self.text.splitlines()
 
-    def client(self, rank: int | None, host: str | None = "hostX", token: str = TOKEN) -> ChannelClient:
-        return ChannelClient(self.channel.address, token, rank, host)
+    def key(self, node: int) -> bytes:
+        """Node ``node``'s key, as its agent would get it (without an agent connection in the log)."""
+        found = self.channel.registry._nodes.get(node)
+        return found.key if found else self.channel.registry.add_local(node, HOST).key
+
+    def client(self, rank: int | None, token: str = TOKEN, generation: int = 0) -> ChannelClient:
+        if rank is None:
+            return ChannelClient.as_node(self.channel.address, token, node=1, task_attempt=101, host=HOST)
+        return ChannelClient.as_rank(
+            self.channel.address,
+            token,
+            node=rank // NPROC,
+            rank=rank,
+            generation=generation,
+            host=HOST,
+            node_key=self.key(rank // NPROC),
+        )
+
+
+def rank0_of(channel: RunChannel) -> ChannelClient:
+    """Rank 0 of a channel's local node 0, connected and verified."""
+    key = channel.registry.add_local(0, HOST).key
+    return ChannelClient.as_rank(
+        channel.address, TOKEN, node=0, rank=0, generation=0, host=HOST, node_key=key
+    )
+
+
+def make_channel(tmp_path, out, calls=None, **kwargs) -> RunChannel:
+    return fast_shutdown(
+        RunChannel(
+            TOKEN,
+            "127.0.0.1",
+            tmp_path,
+            on_failure=(lambda: calls.append(1)) if calls is not None else None,
+            out=out,
+            ranks_of_node=lambda n: range(n * NPROC, (n + 1) * NPROC),
+            verify_node=fake_scheduler,
+            **kwargs,
+        )
+    )
 
 
 @pytest.fixture
 def ch(tmp_path):
     out = io.StringIO()
     calls: list[int] = []
-    channel = RunChannel(TOKEN, "127.0.0.1", tmp_path, on_failure=lambda: calls.append(1), out=out)
-    fast_shutdown(channel)
-    with channel:
+    with make_channel(tmp_path, out, calls) as channel:
         yield Channel(channel, out, calls)
-
-
-def test_rank_prefix():
-    assert rank_prefix(1, "hostX") == "[rank 1 @ hostX]"
-    assert rank_prefix(None, "hostX") == "[agent @ hostX]"
-    assert rank_prefix(0, None) == "[rank 0]"
 
 
 def test_lines_are_printed_with_the_rank_prefix(ch):
@@ -59,15 +109,13 @@ def test_lines_are_printed_with_the_rank_prefix(ch):
     assert client.line("out", "hello")
     assert client.line("err", "to stderr")
     client.close()  # returns once the channel has read everything
-    assert ch.lines == ["[rank 1 @ hostX] hello", "[rank 1 @ hostX] to stderr"]
+    assert ch.lines == ["[rank 1 @ localhost] hello", "[rank 1 @ localhost] to stderr"]
     assert client.broken is None
 
 
 def test_wrong_token_is_rejected_and_nothing_is_read(ch):
-    client = ch.client(1, token="not-the-token")
-    client.line("out", "injected")
-    wait_until(lambda: ch.channel.rejected == 1, what="the rejection")
-    client.close()
+    with pytest.raises(ChannelRefused):
+        ch.client(1, token="not-the-token")
     assert ch.text == ""  # no line, and no "closed without a goodbye" notice either
     assert ch.channel.rejected == 1
 
@@ -82,10 +130,8 @@ def test_garbage_hello_is_rejected(ch):
 
 
 def test_token_prefix_is_not_enough(ch):
-    client = ch.client(1, token=TOKEN[:-1])
-    client.line("out", "x")
-    wait_until(lambda: ch.channel.rejected == 1, what="the rejection")
-    client.close()
+    with pytest.raises(ChannelRefused):
+        ch.client(1, token=TOKEN[:-1])
     assert ch.text == ""
 
 
@@ -95,39 +141,56 @@ def test_a_one_megabyte_line_passes_whole(ch):
     client.line("out", long)
     client.line("out", "next")
     client.close()
-    assert ch.lines == [f"[rank 1 @ hostX] {long}", "[rank 1 @ hostX] next"]
+    assert ch.lines == [f"[rank 1 @ localhost] {long}", "[rank 1 @ localhost] next"]
+
+
+def _output(client: ChannelClient, data: bytes) -> bool:
+    import hashlib
+
+    return client.output(data, format="cloudpickle", type="bytes", sha256=hashlib.sha256(data).hexdigest())
 
 
 def test_rank0_output_lands_atomically_with_exact_bytes(ch, tmp_path):
     data = os.urandom(3 * (1 << 20) + 7)  # crosses the channel's read chunks
     client = ch.client(0)
-    assert client.output(data)
+    assert _output(client, data)
     client.close()
     final = tmp_path / OUTPUT_FILE
     assert final.read_bytes() == data
     assert stat.S_IMODE(final.stat().st_mode) == 0o600
-    assert sorted(p.name for p in tmp_path.iterdir()) == [OUTPUT_FILE]  # no partial file left
+    # No partial file left; the driver's manifest beside it.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [OUTPUT_FILE, OUTPUT_FILE + ".manifest.json"]
     assert "broke" not in ch.text
 
 
-def test_the_latest_complete_output_wins(ch, tmp_path):
-    for data in (b"first attempt", b"after a restart"):
-        client = ch.client(0)
-        client.output(data)
+def test_a_later_generation_replaces_the_output(ch, tmp_path):
+    for generation, data in enumerate((b"first attempt", b"after a restart")):
+        client = ch.client(0, generation=generation)
+        _output(client, data)
         client.close()
     assert (tmp_path / OUTPUT_FILE).read_bytes() == b"after a restart"
 
 
+def test_a_second_output_in_one_generation_is_refused(ch, tmp_path):
+    first = ch.client(0)
+    assert _output(first, b"the value")
+    first.close()
+    again = ch.client(0)  # same generation: a forged or replayed second delivery
+    _output(again, b"forged value")
+    again.close()
+    wait_until(lambda: "second output" in ch.text, what="the refusal")
+    assert (tmp_path / OUTPUT_FILE).read_bytes() == b"the value"
+
+
 def test_truncated_output_never_replaces_the_file(ch, tmp_path):
     first = ch.client(0)
-    first.output(b"complete value")
+    _output(first, b"complete value")
     first.close()
-    with socket.create_connection(ch.channel.address) as sock:
-        sock.sendall(json.dumps({"token": TOKEN, "rank": 0, "host": "hostX"}).encode() + b"\n")
-        sock.sendall(json.dumps({"k": "output", "n": 1000}).encode() + b"\n" + b"only ten b")
-        sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(5)
-        sock.recv(1)
+    late = ch.client(0, generation=1)
+    late._send_raw(json.dumps({"k": "output", "n": 1000}).encode() + b"\n" + b"only ten b")
+    late._sock.shutdown(socket.SHUT_WR)
+    late._sock.settimeout(5)
+    late._sock.recv(1)
     assert (tmp_path / OUTPUT_FILE).read_bytes() == b"complete value"
     wait_until(lambda: "closed without a goodbye" in ch.text, what="the notice")
     assert "ended after 10 of 1000 bytes" in ch.text
@@ -135,62 +198,139 @@ def test_truncated_output_never_replaces_the_file(ch, tmp_path):
 
 def test_output_from_another_rank_is_refused(ch, tmp_path):
     client = ch.client(1)
-    client.output(b"not rank 0")
+    _output(client, b"not rank 0")
     client.close()
     assert not (tmp_path / OUTPUT_FILE).exists()
     wait_until(lambda: "closed without a goodbye" in ch.text, what="the notice")
     assert "only global rank 0 may" in ch.text
 
 
-def test_errors_and_agent_failures_are_merged_per_rank(ch):
+def test_rank0_claim_with_node1s_key_is_refused(ch, tmp_path):
+    """An executor of node 1 holds the run token and node 1's key: it cannot pass for rank 0."""
+    ch.key(0)  # node 0 is registered, with a key node 1 never sees
+    node1_key = ch.key(1)
+    with pytest.raises(ChannelRefused, match="did not prove"):
+        ChannelClient.as_rank(
+            ch.channel.address, TOKEN, node=0, rank=0, generation=0, host=HOST, node_key=node1_key
+        )
+    # Nor by claiming rank 0 as one of node 1's ranks.
+    with pytest.raises(ChannelRefused, match="does not belong to node 1"):
+        ChannelClient.as_rank(
+            ch.channel.address, TOKEN, node=1, rank=0, generation=0, host=HOST, node_key=node1_key
+        )
+    assert not (tmp_path / OUTPUT_FILE).exists()
+    wait_until(lambda: ch.channel.rejected == 2, what="both refusals counted")
+
+
+def test_node_registration_is_bound_to_the_scheduler(ch):
+    agent = ChannelClient.as_node(ch.channel.address, TOKEN, node=0, task_attempt=100, host="claimed")
+    assert agent.node_key and len(agent.node_key) == 32
+    assert ch.channel.registry.host_of(0) == HOST  # the scheduler's host, not the claim
+    agent.close()
+    with pytest.raises(ChannelRefused, match="already registered"):  # a replayed registration
+        ChannelClient.as_node(ch.channel.address, TOKEN, node=0, task_attempt=100, host=HOST)
+    with pytest.raises(ChannelRefused, match="no task attempt 101 of partition 0"):  # node 1's task
+        ChannelClient.as_node(ch.channel.address, TOKEN, node=0, task_attempt=101, host=HOST)
+
+
+def test_a_rank_from_another_host_is_refused(tmp_path):
+    """Node 0 runs on a host that is not this machine: a connection from here cannot be its rank."""
+    channel = make_channel(tmp_path, io.StringIO())
+    with channel:
+        node = channel.registry.add_local(0, "192.0.2.77")  # TEST-NET-1: never a local address
+        with pytest.raises(ChannelRefused, match="connected from 127.0.0.1, not 192.0.2.77"):
+            ChannelClient.as_rank(
+                channel.address, TOKEN, node=0, rank=0, generation=0, host=HOST, node_key=node.key
+            )
+
+
+def test_a_trickling_hello_is_dropped_at_the_deadline(tmp_path):
+    channel = make_channel(tmp_path, io.StringIO(), hello_timeout=1.5)
+    with channel, socket.create_connection(channel.address) as sock:
+        start = time.monotonic()
+        hello = json.dumps({"token": TOKEN, "role": "rank"}).encode()
+        closed_after = None
+        for byte in hello:  # one byte every 0.4 s: each read would meet a per-read timeout
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                closed_after = time.monotonic() - start
+                break
+            sock.settimeout(0.4)
+            try:
+                if sock.recv(1) == b"":
+                    closed_after = time.monotonic() - start
+                    break
+            except TimeoutError:
+                pass
+        assert closed_after is not None, "the channel kept reading a hello that never ended"
+        assert 1.4 < closed_after < 3.0
+        assert channel.rejected == 1 and "took too long" in channel.refusals[0]
+
+
+def test_unauthenticated_connections_are_capped(tmp_path):
+    from airflow_provider_torchdist.spark.channel_auth import MAX_UNAUTHENTICATED
+
+    channel = make_channel(tmp_path, io.StringIO())
+    with channel:
+        idle = [socket.create_connection(channel.address) for _ in range(MAX_UNAUTHENTICATED)]
+        wait_until(lambda: channel._gate._slots._value == 0, what="the hello slots to fill")
+        with socket.create_connection(channel.address) as extra:
+            extra.settimeout(5)
+            assert extra.recv(1) == b""  # dropped at once, not held for the deadline
+        for sock in idle:
+            sock.close()
+        wait_until(lambda: channel._gate._slots._value == MAX_UNAUTHENTICATED, what="the slots to free")
+        client = rank0_of(channel)
+        client.close()
+
+
+def test_errors_and_failures_reach_the_ledger_with_the_verified_host(ch):
     rank1 = ch.client(1)
     rank1.error({"exc_type": "ValueError", "message": "boom", "traceback": "Traceback: ...boom"})
     rank1.close()
-    rank2 = ch.client(2, host="hostY")
-    rank2.error({"exc_type": "KeyError", "message": "'k'", "traceback": "tb2"})
-    rank2.close()
-    agent = ch.client(None)
-    agent.failures(
-        [
-            RankFailure(rank=3, host="hostX", local_rank=1, exitcode=-9, signal="SIGKILL"),
-            RankFailure(rank=1, host="hostX", local_rank=0, exitcode=1),
-        ]
-    )
+    agent = ch.client(None)  # node 1's agent: the scheduler runs it on localhost
+    agent.failures([RankFailure(rank=1, host="claimed-elsewhere", local_rank=0, exitcode=1)])
     agent.close()
 
-    assert ch.channel.failures == [
-        RankFailure(
-            rank=1,
-            host="hostX",
-            local_rank=0,
-            exitcode=1,
-            exc_type="ValueError",
-            message="boom",
-            traceback="Traceback: ...boom",
-        ),
-        RankFailure(rank=3, host="hostX", local_rank=1, exitcode=-9, signal="SIGKILL"),
-    ]
-    # Rank 2 raised, but its agent did not report it failed (a restart may have fixed it): not a failure.
-    assert 2 in ch.channel.rank_errors
+    ledger = ch.channel.ledger
+    assert ledger.rank_errors[1] == RankFailure(
+        rank=1, host="localhost", exc_type="ValueError", message="boom", traceback="Traceback: ...boom"
+    )
+    assert ledger.agent_failures == [RankFailure(rank=1, host="localhost", local_rank=0, exitcode=1)]
+    assert ch.channel.failures[0].exc_type == "ValueError"  # merged by the ledger
     assert ch.failure_calls == [1]  # the driver was told at once, to cancel the stage
     assert ch.text == ""  # errors are kept, not printed
 
 
-def test_agent_failure_without_a_rank_is_kept(ch):
+def test_a_message_from_the_wrong_role_ends_the_connection(ch):
+    rank1 = ch.client(1)
+    rank1.failures([RankFailure(rank=3, exitcode=1)])  # only an agent may give a verdict
+    rank1.close()
+    wait_until(lambda: "closed without a goodbye" in ch.text, what="the notice")
+    assert "'failures' is not allowed on this connection" in ch.text
+    assert ch.channel.ledger.agent_failures == [] and ch.failure_calls == []
     agent = ch.client(None)
-    agent.failures([RankFailure(rank=None, host="hostX", exc_type="TimeoutError", message="rendezvous")])
+    agent.error({"exc_type": "ValueError"})  # only a rank reports its own exception
     agent.close()
-    assert ch.channel.failures == [
-        RankFailure(rank=None, host="hostX", exc_type="TimeoutError", message="rendezvous")
-    ]
+    wait_until(lambda: "'error' is not allowed" in ch.text, what="the refusal")
+    assert ch.channel.ledger.rank_errors == {}
+
+
+def test_a_malformed_message_is_reported_not_raised(ch):
+    client = ch.client(1)
+    client._send_raw(b'{"k": "line", "s": "out", "l": 5}\n')
+    client.close()
+    wait_until(lambda: "closed without a goodbye" in ch.text, what="the notice")
+    assert "broke: ProtocolError(\"'line' message: field 'l' must be str, got int\")" in ch.text
 
 
 def test_metrics_and_nodes(ch):
     client = ch.client(0)
     record = {"rank": 0, "step": 3, "time": 1.0, "loss": 0.5}
-    client.send({"k": "metric", "m": record})
-    agent = ch.client(None)
-    agent.send({"k": "node", "node": 1})
+    client.send(Metric(record))
+    agent = ch.client(None)  # node 1's agent
+    agent.send(NodeStarted())
     agent.close()
     client.close()
     assert ch.channel.metrics == [record]
@@ -199,12 +339,12 @@ def test_metrics_and_nodes(ch):
 
 
 def test_close_without_bye_prints_a_notice(ch):
-    client = ch.client(4, host="hostZ")
+    client = ch.client(4)
     client.line("out", "last words")
     client._sock.close()  # the process died: no goodbye
     wait_until(lambda: "closed without a goodbye" in ch.text, what="the notice")
-    assert ch.lines[0] == "[rank 4 @ hostZ] last words"
-    assert ch.lines[1].startswith("[torchdist] channel from [rank 4 @ hostZ] closed without a goodbye")
+    assert ch.lines[0] == "[rank 4 @ localhost] last words"
+    assert ch.lines[1].startswith("[torchdist] channel from [rank 4 @ localhost] closed without a goodbye")
 
 
 def test_clean_close_prints_no_notice(ch):
@@ -219,9 +359,9 @@ def test_say_prints_the_drivers_own_lines(ch):
 
 
 def test_client_to_a_closed_channel_goes_broken_instead_of_raising(tmp_path):
-    channel = fast_shutdown(RunChannel(TOKEN, "127.0.0.1", tmp_path, out=io.StringIO()))
+    channel = make_channel(tmp_path, io.StringIO())
     with channel:
-        client = ChannelClient(channel.address, TOKEN, 0, "h")
+        client = rank0_of(channel)
     client._sock.close()
     assert client.line("out", "x") is False
     assert client.broken

@@ -4,29 +4,53 @@ driver as soon as task 0 reports it (no allGather, no 1 s poll)."""
 from __future__ import annotations
 
 import io
+import itertools
 import threading
 import time
 
 import pytest
 
 from airflow_provider_torchdist.spark.channel import ChannelClient, RunChannel
+from airflow_provider_torchdist.spark.channel_auth import HelloRefused, peer_matches
 from airflow_provider_torchdist.spark.outcome import RankFailure
+from airflow_provider_torchdist.spark.protocol import NodeStarted
 from tests.unit.conftest import fast_shutdown
 
 TOKEN = "the-run-secret"
+HOST = "localhost"  # where the fake scheduler says every barrier task runs: this machine
+#: Spark task attempt ids are unique across a run's stage attempts; each agent here gets a fresh one.
+_task_attempts = itertools.count(100)
+
+
+def fake_scheduler(node: int, task_attempt: int, peer_ip: str) -> str:
+    """Spark's scheduler as the driver asks it: every task attempt of every partition runs on HOST."""
+    if not peer_matches(peer_ip, HOST):
+        raise HelloRefused(f"node {node} runs on {HOST}, not {peer_ip}")
+    return HOST
+
+
+def _channel(tmp_path) -> RunChannel:
+    return RunChannel(
+        TOKEN,
+        "127.0.0.1",
+        tmp_path,
+        out=io.StringIO(),
+        ranks_of_node=lambda n: range(n, n + 1),
+        verify_node=fake_scheduler,
+    )
 
 
 @pytest.fixture
 def channel(tmp_path):
-    ch = fast_shutdown(RunChannel(TOKEN, "127.0.0.1", tmp_path, out=io.StringIO()))
+    ch = fast_shutdown(_channel(tmp_path))
     with ch:
         yield ch
 
 
 def _client(ch: RunChannel, node: int = 1) -> ChannelClient:
     """A barrier task's line to the driver, after its ``node`` message (as barrier_task sends it)."""
-    client = ChannelClient(ch.address, TOKEN, None, "hostX")
-    client.send({"k": "node", "node": node})
+    client = ChannelClient.as_node(ch.address, TOKEN, node=node, task_attempt=next(_task_attempts), host=HOST)
+    client.send(NodeStarted())
     return client
 
 
@@ -97,7 +121,7 @@ def test_waiting_times_out_with_a_message_naming_task0(channel):
 
 
 def test_waiters_are_released_when_the_driver_closes(tmp_path):
-    ch = fast_shutdown(RunChannel(TOKEN, "127.0.0.1", tmp_path, out=io.StringIO()))
+    ch = fast_shutdown(_channel(tmp_path))
     with ch:
         thread, errors = _wait_in_thread(_client(ch))
         time.sleep(0.1)
@@ -106,7 +130,7 @@ def test_waiters_are_released_when_the_driver_closes(tmp_path):
 
 
 def test_close_does_not_wait_for_a_socketserver_poll(tmp_path):
-    ch = RunChannel(TOKEN, "127.0.0.1", tmp_path, out=io.StringIO())
+    ch = _channel(tmp_path)
     ch.__enter__()
     time.sleep(0.05)
     started = time.monotonic()

@@ -8,9 +8,11 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
+from airflow_provider_torchdist.spark import rendezvous
 from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.launcher import failure_from_process, launch_config, rank_environment
 
+NODE_KEY = bytes(range(32))  # the key the driver would give this node
 ENV_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "OMP_NUM_THREADS", "PYTHONUNBUFFERED")
 
 
@@ -123,6 +125,25 @@ def test_loopback_gets_lo_and_several_ranks_one_thread(clean_env, has_lo):
     assert env["FOO"] == "bar"
 
 
+def test_debug_sets_torchxs_preset_and_rank_env_wins(clean_env):
+    assert "TORCH_DISTRIBUTED_DEBUG" not in rank_environment(_spec(), "127.0.0.1", 1)
+    env = rank_environment(_spec(debug=True, rank_env={"NCCL_DESYNC_DEBUG": "0"}), "127.0.0.1", 1)
+    assert env["CUDA_LAUNCH_BLOCKING"] == "1"
+    assert env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+    assert env["TORCH_SHOW_CPP_STACKTRACES"] == "1"
+    assert env["NCCL_DESYNC_DEBUG"] == "0"  # the user's rank_env wins over the preset
+
+
+def test_debug_travels_from_the_operator_to_the_ranks_spec():
+    from airflow_provider_torchdist import TorchDistributorOperator
+    from airflow_provider_torchdist.spark.jobspec import JobSpec
+
+    op = TorchDistributorOperator(task_id="t", train_object=print, debug="{{ params.debug }}")
+    op.debug = "True"  # as rendered
+    job = JobSpec.for_run(op.training_spec(), kind="callable", entry="p", run_id="r", token="t")
+    assert JobSpec.from_json(job.to_json()).debug is True
+
+
 def test_one_local_rank_keeps_its_threads(clean_env):
     env = rank_environment(_spec(), "127.0.0.1", 1)
     assert "OMP_NUM_THREADS" not in env
@@ -157,7 +178,7 @@ def test_rank_env_is_applied_last(clean_env):
 # -- launch_config ------------------------------------------------------------------------------
 
 
-def test_local_mode_is_standalone(tmp_path):
+def test_local_mode_is_one_node_with_its_store_on_loopback(tmp_path):
     config = launch_config(
         _spec(local_mode=True, max_restarts=2),
         node_rank=0,
@@ -166,7 +187,9 @@ def test_local_mode_is_standalone(tmp_path):
         log_dir=str(tmp_path),
     )
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (1, 1, 4)
-    assert config.rdzv_backend == "c10d"
+    assert config.rdzv_backend == rendezvous.BACKEND  # static, its store bound to the endpoint's address
+    assert config.rdzv_endpoint == "127.0.0.1:0"
+    assert config.rdzv_configs["rank"] == 0
     assert config.max_restarts == 2
     assert config.run_id == "run-1"
 
@@ -177,7 +200,7 @@ def test_distributed_mode_is_static_rendezvous_at_node_0(tmp_path):
         spec, node_rank=2, master=("10.0.0.1", 29500), host="10.0.0.3", log_dir=str(tmp_path)
     )
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (3, 3, 2)
-    assert config.rdzv_backend == "static"
+    assert config.rdzv_backend == rendezvous.BACKEND
     assert config.rdzv_endpoint == "10.0.0.1:29500"
     assert config.rdzv_configs["rank"] == 2
     assert config.rdzv_configs["timeout"] == 42
@@ -200,6 +223,7 @@ def test_a_rendezvous_that_cannot_complete_fails_after_the_timeout_saying_so() -
         channel_address=("127.0.0.1", 1),
         host="127.0.0.1",
         master=("127.0.0.1", free_port("127.0.0.1")),
+        node_key=NODE_KEY,
     )
 
     assert time.monotonic() - started < 30
@@ -222,8 +246,11 @@ def test_an_agent_stopped_by_a_signal_says_which_and_why(monkeypatch, master, wh
 
     from airflow_provider_torchdist.spark import launcher
 
+    ran_with: list[tuple] = []
+
     def stopped(config, entrypoint):
         def run(*args):
+            ran_with.append(args)
             raise SignalException(f"Process {1234} got signal: {signal.SIGHUP}", sigval=signal.SIGHUP)
 
         return run
@@ -236,7 +263,11 @@ def test_an_agent_stopped_by_a_signal_says_which_and_why(monkeypatch, master, wh
         channel_address=("127.0.0.1", 1),
         host="h",
         master=master,
+        node_key=NODE_KEY,
     )
+    # The ranks get their node and the node's key as arguments (not through the environment).
+    [(*_, node, node_key)] = ran_with
+    assert (node, node_key) == (0, NODE_KEY)
     # The driver's cue to ask Spark whether the executor was lost.
     assert failure.exc_type == "SignalException"
     assert failure.summary().startswith(

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import cloudpickle
 import pytest
 import torch
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.operators.torch_distributor import METRICS_XCOM_KEY, TorchDistributorOperator
-from airflow_provider_torchdist.results import ENVELOPE_KEY, load_output
-from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE, JobSpec
+from airflow_provider_torchdist.results import (
+    ENVELOPE_KEY,
+    ENVELOPE_VERSION,
+    OutputSignatureError,
+    load_output,
+    output_origin,
+)
 from airflow_provider_torchdist.spark.outcome import Outcome, RankFailure
+from tests.unit.conftest import plan_without_a_run
 
 
 def _train(x=1, scale=1):
@@ -92,42 +97,44 @@ def test_kwargs_are_stored_as_train_kwargs_and_not_a_template_field():
 def test_rendered_strings_are_coerced():
     op = _op(num_processes="{{ params.n }}", local_mode="{{ params.local }}", use_gpu="{{ params.gpu }}")
     op.num_processes, op.local_mode, op.use_gpu, op.max_restarts = "2", "True", "false", "3"
-    op._validate(at_parse_time=False)
-    assert (op.num_processes, op.local_mode, op.use_gpu, op.max_restarts) == (2, True, False, 3)
+    spec = op.training_spec()
+    assert (spec.num_processes, spec.local_mode, spec.use_gpu, spec.max_restarts) == (2, True, False, 3)
 
 
 def test_rendered_garbage_is_refused_by_name():
     op = _op(num_processes="{{ params.n }}")
     op.num_processes = "abc"
     with pytest.raises(InvalidTrainingConfig, match="num_processes must be an integer"):
-        op._validate(at_parse_time=False)
+        op.training_spec()
 
 
 def test_rendered_topology_is_checked():
     op = _op(num_processes="{{ params.n }}", nproc_per_node=2)
     op.num_processes = "3"
     with pytest.raises(InvalidTrainingConfig, match="num_processes=3 is not divisible by nproc_per_node=2"):
-        op._validate(at_parse_time=False)
+        op.training_spec()
 
 
 def test_a_still_unrendered_template_is_refused_after_rendering():
     op = _op(num_processes="{{ params.n }}")
     with pytest.raises(InvalidTrainingConfig, match="num_processes"):
-        op._validate(at_parse_time=False)
+        op.training_spec()
 
 
-def test_rendered_args_string_is_refused():
+def test_rendered_args_string_is_refused(no_submit):
     op = _op(args="{{ params.args }}")
     op.train_args = "[1, 2]"
     with pytest.raises(InvalidTrainingConfig, match="args must be a list, got str"):
-        op._validate(at_parse_time=False)
+        op.execute({"ti": FakeTI()})
+    assert no_submit == []
 
 
-def test_rendered_kwargs_string_is_refused_as_not_a_dict():
+def test_rendered_kwargs_string_is_refused_as_not_a_dict(no_submit):
     op = _op(kwargs="{{ params.kwargs }}")
     op.train_kwargs = "{'scale': 2}"
     with pytest.raises(InvalidTrainingConfig, match="kwargs must be a dict, got str"):
-        op._validate(at_parse_time=False)
+        op.execute({"ti": FakeTI()})
+    assert no_submit == []
 
 
 def test_render_template_fields_renders_fields_but_never_calls_the_callable():
@@ -151,8 +158,9 @@ def test_render_template_fields_renders_fields_but_never_calls_the_callable():
     assert (op.num_processes, op.local_mode) == ("2", "True")
     assert op.train_kwargs == {"lr": "0.1"}
     assert op.conf == {"spark.executor.memory": "2g"}
-    op._validate(at_parse_time=False)
-    assert (op.num_processes, op.local_mode) == (2, True)
+    spec = op.training_spec()
+    assert (spec.num_processes, spec.local_mode) == (2, True)
+    assert spec.conf == {"spark.executor.memory": "2g"}
 
 
 def test_script_path_is_rendered(tmp_path):
@@ -166,6 +174,7 @@ def test_script_path_is_rendered(tmp_path):
 
 class FakeTI:
     dag_id, run_id, task_id, map_index, try_number = "d", "manual__1", "train", -1, 1
+    stats_tags: dict = {}  # noqa: RUF012 (read by ResumableJobMixin)
 
     def __init__(self):
         self.pushed: dict = {}
@@ -174,33 +183,21 @@ class FakeTI:
         self.pushed[key] = value
 
 
-def _fake_submit(hook: TorchDistributorHook, outcome: Outcome, seen: dict):
-    def submit(application="", **kwargs):
-        spec = JobSpec.read(hook._application_args[0])
-        seen["spec"] = spec
-        seen["hook"] = hook
-        if outcome.ok:
-            payload = cloudpickle.loads((hook._staged.dir / spec.entry).read_bytes())
-            value = payload["fn"](*payload["args"], **payload["kwargs"])
-            (hook._staged.dir / OUTPUT_FILE).write_bytes(cloudpickle.dumps(value))
-        outcome.write(hook._staged.dir)
-
-    hook.submit = submit
-
-
 @pytest.fixture
-def faked_spark(monkeypatch):
-    """Replace spark-submit in every hook the operator makes; returns what the fake saw."""
-    seen: dict = {"outcome": Outcome(ok=True, metrics=[{"rank": 0, "step": 0, "loss": 1.0}])}
+def faked_spark(monkeypatch, fake_spark, inline_supervisor):
+    """spark-submit played in-process (``FakeSpark``) for every run; records each hook the operator
+    makes (``make_hook``, its public seam) under ``"hooks"``."""
+    fake_spark.outcome = Outcome(ok=True, metrics=[{"rank": 0, "step": 0, "loss": 1.0}])
+    hooks: list[TorchDistributorHook] = []
     real = TorchDistributorOperator.make_hook
 
-    def make_hook(self):
-        hook = real(self)
-        _fake_submit(hook, seen["outcome"], seen)
-        return hook
+    def make_hook(self, context=None):
+        hooks.append(real(self, context))
+        return hooks[-1]
 
     monkeypatch.setattr(TorchDistributorOperator, "make_hook", make_hook)
-    return seen
+    fake_spark.hooks = hooks
+    return fake_spark
 
 
 def _tensor_train(n, scale=1.0):
@@ -220,12 +217,27 @@ def test_execute_returns_xcom_value_and_pushes_metrics(faked_spark):
     op.num_processes = "4"  # as rendered
     ti = FakeTI()
     value = op.execute({"ti": ti})
-    assert value[ENVELOPE_KEY] == 1
+    assert value[ENVELOPE_KEY] == ENVELOPE_VERSION == 2
+    assert (value["format"], value["type"]) == ("cloudpickle", "torch.Tensor")
+    # Signed and bound to the task instance that produced it.
+    assert output_origin(value) == {
+        "dag_id": "d",
+        "run_id": "manual__1",
+        "task_id": "train",
+        "map_index": -1,
+        "try": 1,
+    }
     assert torch.equal(load_output(value), torch.arange(3) * 2.0)
+    assert torch.equal(load_output(value, expect={"run_id": "manual__1"}), torch.arange(3) * 2.0)
+    with pytest.raises(OutputSignatureError, match="comes from run_id='manual__1'"):
+        load_output(value, expect={"run_id": "manual__2"})
     assert ti.pushed == {METRICS_XCOM_KEY: [{"rank": 0, "step": 0, "loss": 1.0}]}
-    spec = faked_spark["spec"]
+    spec = faked_spark.spec
     assert (spec.num_processes, spec.nproc_per_node) == (4, 2)
-    assert faked_spark["hook"]._executor_memory == "1g"
+    [hook] = faked_spark.hooks
+    assert hook.plan.submit_kwargs["executor_memory"] == "1g"
+    # The checkpoint directory defaults to the task's own, the same for every try.
+    assert spec.checkpoint_dir == hook.spec.checkpoint_dir == op.default_checkpoint_dir({"ti": ti})
 
 
 def test_execute_returns_plain_json_as_is(faked_spark):
@@ -234,7 +246,7 @@ def test_execute_returns_plain_json_as_is(faked_spark):
 
 
 def test_execute_pushes_metrics_even_when_training_fails(faked_spark):
-    faked_spark["outcome"] = Outcome(
+    faked_spark.outcome = Outcome(
         ok=False,
         failures=[RankFailure(rank=0, host="h", exc_type="RuntimeError", message="nan loss")],
         metrics=[{"rank": 0, "step": 5, "loss": float("nan")}],
@@ -247,7 +259,7 @@ def test_execute_pushes_metrics_even_when_training_fails(faked_spark):
     assert ti.pushed[METRICS_XCOM_KEY][0]["step"] == 5
 
 
-def test_make_hook_passes_settings():
+def test_make_hook_passes_settings(tmp_path):
     op = _op(
         num_processes=4,
         nproc_per_node=2,
@@ -258,8 +270,18 @@ def test_make_hook_passes_settings():
         spark_submit_kwargs={"driver_memory": "3g"},
     )
     hook = op.make_hook()
-    assert (hook.num_processes, hook.nproc_per_node, hook.max_restarts) == (4, 2, 2)
-    assert hook._conf["spark.log.level"] == "INFO"
-    assert hook._env_vars["A"] == "1"
-    assert hook.rank_env == {"B": "2"}
-    assert hook._driver_memory == "3g"
+    assert hook.spec == op.training_spec()
+    assert (hook.spec.num_processes, hook.spec.nproc_per_node, hook.spec.max_restarts) == (4, 2, 2)
+    assert hook.spec.rank_env == {"B": "2"}
+    plan = plan_without_a_run(hook, tmp_path)
+    assert plan.properties["spark.log.level"] == "INFO"
+    assert plan.env["A"] == "1"
+    assert plan.submit_kwargs["driver_memory"] == "3g"
+
+
+def test_make_hook_with_a_context_uses_the_tasks_checkpoint_dir():
+    ti = FakeTI()
+    op = _op()
+    assert op.make_hook().spec.checkpoint_dir is None
+    assert op.make_hook({"ti": ti}).spec.checkpoint_dir == op.default_checkpoint_dir({"ti": ti})
+    assert _op(checkpoint_dir="/ckpt").make_hook({"ti": ti}).spec.checkpoint_dir == "/ckpt"

@@ -81,9 +81,17 @@ def test_torchdist_spark_connection_resolves_like_a_spark_one(monkeypatch) -> No
     monkeypatch.setenv("AIRFLOW_CONN_TORCH_CLUSTER", json.dumps(conn))
     hook = TorchDistributorHook(num_processes=2, conn_id="torch_cluster")
 
-    assert hook._connection["master"] == "spark://spark-master.example.com:7077"
-    assert hook.master_web_ui == "http://spark-master.example.com:8080"
+    assert hook.target.master == "spark://spark-master.example.com:7077"
+    assert hook.target.master_web_ui == "http://spark-master.example.com:8080"
     assert not hook.embedded
+    # Handed on as the "spark" connection it mirrors: the Spark provider builds master URLs for
+    # that type only (tests/unit/test_submit_plan.py checks the provider reads the same master).
+    assert hook.target.connection == {
+        "conn_type": "spark",
+        "host": "spark://spark-master.example.com",
+        "port": 7077,
+        "extra": conn["extra"],
+    }
 
 
 def test_entry_point_points_at_get_provider_info() -> None:

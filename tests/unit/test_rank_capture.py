@@ -19,17 +19,25 @@ from airflow_provider_torchdist.spark.rank import apply_thread_count, rank_threa
 from tests.unit.conftest import fast_shutdown
 
 TOKEN = "capture-token"
-PREFIX = "[rank 1 @ hostX]"
+#: The node's host as the driver registered it: this machine, so the rank's peer check passes.
+HOST = "localhost"
+PREFIX = "[rank 1 @ localhost]"
 
 CHILD_HEADER = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from airflow_provider_torchdist.spark.channel import ChannelClient
-    from airflow_provider_torchdist.spark.rank import OutputCapture
+    from airflow_provider_torchdist.spark.channel_client import ChannelClient
+    from airflow_provider_torchdist.spark.output_capture import OutputCapture
 
-    host, port, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    client = ChannelClient((host, port), token, 1, "hostX") if port else None
-    capture = OutputCapture(client, "[rank 1 @ hostX]")
+    host, port, token, node_key = sys.argv[1], int(sys.argv[2]), sys.argv[3], bytes.fromhex(sys.argv[4])
+    client = (
+        ChannelClient.as_rank(
+            (host, port), token, node=0, rank=1, generation=0, host="localhost", node_key=node_key
+        )
+        if port
+        else None
+    )
+    capture = OutputCapture(client, "[rank 1 @ localhost]")
     capture.start()
     """
 )
@@ -46,8 +54,11 @@ CHILD_FOOTER = textwrap.dedent(
 def _run_child(body: str, tmp_path, *, connect: bool = True) -> tuple[list[str], subprocess.CompletedProcess]:
     """Run ``body`` between capture.start() and capture.stop() in a child; return the channel's lines."""
     out = io.StringIO()
-    channel = fast_shutdown(RunChannel(TOKEN, "127.0.0.1", tmp_path, out=out))
+    channel = fast_shutdown(
+        RunChannel(TOKEN, "127.0.0.1", tmp_path, out=out, ranks_of_node=lambda n: range(2))
+    )
     with channel:
+        node = channel.registry.add_local(0, HOST)  # node 0 runs ranks 0 and 1; the child is rank 1
         host, port = channel.address
         result = subprocess.run(
             [
@@ -57,6 +68,7 @@ def _run_child(body: str, tmp_path, *, connect: bool = True) -> tuple[list[str],
                 host,
                 str(port if connect else 0),
                 TOKEN,
+                node.key.hex(),
             ],
             capture_output=True,
             timeout=60,
@@ -125,7 +137,7 @@ def test_without_a_channel_lines_fall_back_to_the_original_stderr(tmp_path):
     assert lines == []
     stderr = result.stderr.decode().splitlines()
     assert stderr[0].startswith("[torchdist] log channel to the driver is down (not connected)")
-    assert stderr[1] == "[rank 1 @ hostX] hello"
+    assert stderr[1] == "[rank 1 @ localhost] hello"
     assert result.stdout == b""
 
 

@@ -312,7 +312,8 @@ def test_spark_zip_holds_the_spark_side_without_airflow(tmp_path):
             sources = {name: zf.read(name).decode() for name in names}
     finally:
         staged.cleanup()
-    expected = {"airflow_provider_torchdist/__init__.py"} | {
+    # spec.py: TrainingSpec, the base of the JobSpec the driver reads.
+    expected = {"airflow_provider_torchdist/__init__.py", "airflow_provider_torchdist/spec.py"} | {
         f"airflow_provider_torchdist/spark/{p.name}" for p in (PACKAGE_DIR / "spark").glob("*.py")
     }
     assert names == expected

@@ -1,0 +1,39 @@
+"""The one seam into the Spark driver's JVM: what PySpark's public API does not say about a run.
+
+PySpark's ``StatusTracker`` stops at job and stage counts. The driver needs three more facts, all
+from the JVM ``SparkContext`` through py4j (``sc._jsc``, ``sc._jvm``), and only here:
+
+- the live executors, with their hosts and running tasks (:mod:`.executor_loss`);
+- which host runs which partition of a stage attempt (:mod:`.scheduler_identity`);
+- how many tasks the application can run at once (:mod:`.slots`).
+
+Every distributed run in ``tests/integration`` goes through all three, so a change upstream fails
+there loudly, naming this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _jvm_context(sc: Any) -> Any:
+    return sc._jsc.sc()
+
+
+def executor_infos(sc: Any) -> list[tuple[str, int, int]]:
+    """``(host, block manager port, running tasks)`` of each live executor (and the driver)."""
+    tracker = _jvm_context(sc).statusTracker()
+    return [(str(e.host()), int(e.port()), int(e.numRunningTasks())) for e in tracker.getExecutorInfos()]
+
+
+def stage_tasks(sc: Any, stage_id: int, stage_attempt: int) -> list[tuple[int, int, str, str]]:
+    """``(task attempt id, partition, host, status)`` of a stage attempt's tasks (Spark's status store)."""
+    jvm_tasks = _jvm_context(sc).statusStore().taskList(stage_id, stage_attempt, 1 << 20)
+    tasks = sc._jvm.scala.jdk.javaapi.CollectionConverters.asJava(jvm_tasks)
+    return [(int(t.taskId()), int(t.index()), str(t.host()), str(t.status())) for t in tasks]
+
+
+def max_concurrent_tasks(sc: Any) -> int:
+    """How many tasks of the default resource profile the application can run at once."""
+    jsc = _jvm_context(sc)
+    return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))

@@ -1,0 +1,256 @@
+"""``TrainingSpec``: every setting of a training run, declared, documented and validated once.
+
+Each setting is one field below, with its default, whether the operator templates it, what it
+means (the docs of the operator and the hook are made from these), and how it is checked. The
+operator builds a spec after rendering its templates (and checks the non-templated values when the
+DAG is parsed); the hook takes the spec and plans the run from it; the Spark side reads it inside
+:class:`~airflow_provider_torchdist.spark.jobspec.JobSpec`, less the settings only ``spark-submit``
+needs.
+
+Adding a setting means: a field here (default, template flag, docs, check), its use, its docs in
+the README, its tests. The operator's and hook's signatures, template fields and docstrings follow.
+
+Standard library only: the Spark side imports this module too. The checks, which raise Airflow's
+exceptions, are :mod:`~airflow_provider_torchdist.settings_checks`'s; a spec is built through them.
+
+Example::
+
+    spec = build_spec(num_processes=4, nproc_per_node=2)   # settings_checks.build_spec
+    spec.num_nodes  # 2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_CONN_ID = "spark_default"
+DEFAULT_MAX_XCOM_OUTPUT_BYTES = 4 * 1024 * 1024
+
+#: Who takes a setting: both the operator and the hook (``run``), or the operator only (``xcom``:
+#: how the value travels through XCom; ``owner``: how long the run lives apart from its task), or
+#: neither on the Spark side (``submit``: spark-submit's).
+RUN, XCOM, OWNER, SUBMIT = "run", "xcom", "owner", "submit"
+#: ``reattach_timeout``'s default: how long a run waits for a new owner (10 minutes).
+DEFAULT_REATTACH_TIMEOUT = 600.0
+
+
+def setting(default: Any, doc: str, *, templated: bool = False, scope: str = RUN, check: str = "") -> Any:
+    """A field of :class:`TrainingSpec`: its default, docs, template flag, scope and check (a name
+    of :data:`airflow_provider_torchdist.settings_checks.CHECKS`)."""
+    meta = {"doc": doc, "templated": templated, "scope": scope, "check": check}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """The settings of one training run, validated (see the module docstring)."""
+
+    num_processes: int = setting(
+        1, "total number of ranks (the world size).", templated=True, check="positive_int"
+    )
+    local_mode: bool = setting(
+        False, "run all ranks on the Spark driver instead of Spark executors.", templated=True, check="bool"
+    )
+    use_gpu: bool = setting(
+        False, "map each task's Spark-assigned GPUs to its ranks and use NCCL.", templated=True, check="bool"
+    )
+    nproc_per_node: int = setting(
+        1,
+        "ranks per Spark task in distributed mode; ``num_processes`` must divide by it.",
+        templated=True,
+        check="positive_int",
+    )
+    max_restarts: int = setting(
+        0,
+        "how often torchrun's agent restarts the worker group after a failure.",
+        templated=True,
+        check="non_negative_int",
+    )
+    rendezvous_timeout: int = setting(
+        300, "seconds the ranks may take to find each other.", check="int_timeout"
+    )
+    slot_timeout: float = setting(
+        20.0,
+        "seconds to wait for executors to offer the barrier stage's slots when the cluster's "
+        "capacity is unknown.",
+        check="float_timeout",
+    )
+    socket_ifname: str | None = setting(
+        None,
+        "network interface for gloo/NCCL (default: the one carrying the task's address).",
+        templated=True,
+        check="optional_str",
+    )
+    conn_id: str = setting(
+        DEFAULT_CONN_ID,
+        "the Spark connection; the default ``spark_default``, when undefined, means an embedded "
+        "local Spark master on this machine.",
+        templated=True,
+        scope=SUBMIT,
+        check="non_empty_str",
+    )
+    conf: dict[str, Any] = setting(
+        {}, "Spark configuration properties.", templated=True, scope=SUBMIT, check="str_dict"
+    )
+    env_vars: dict[str, Any] = setting(
+        {},
+        "environment for spark-submit, as in ``SparkSubmitOperator``.",
+        templated=True,
+        scope=SUBMIT,
+        check="str_dict",
+    )
+    rank_env: dict[str, str] = setting(
+        {}, "environment variables for every rank.", templated=True, check="env_dict"
+    )
+    checkpoint_dir: str | None = setting(
+        None,
+        "the directory every rank finds in ``TORCHDIST_CHECKPOINT_DIR`` (``save_checkpoint`` / "
+        "``load_latest_checkpoint``); the operator's default is "
+        "``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>``, the same for every try.",
+        templated=True,
+        check="checkpoint_dir",
+    )
+    staging_dir: str | None = setting(
+        None,
+        "where per-run staging directories are created (default: the temp dir).",
+        scope=SUBMIT,
+        check="optional_str",
+    )
+    debug: bool = setting(
+        False,
+        "torchx's debug preset for every rank: ``CUDA_LAUNCH_BLOCKING=1``, ``NCCL_DESYNC_DEBUG=1``, "
+        "``TORCH_DISTRIBUTED_DEBUG=DETAIL``, ``TORCH_SHOW_CPP_STACKTRACES=1``; ``rank_env`` wins over it.",
+        templated=True,
+        check="bool",
+    )
+    allow_unencrypted: bool = setting(
+        False,
+        "run even when ``spark.ssl.enabled=true``, accepting that torch's traffic (gloo/NCCL, the "
+        "rendezvous store) and the run channel are not encrypted.",
+        check="bool",
+    )
+    fast_jvm_start: bool = setting(
+        True,
+        "start the driver faster: a per-user class-data archive of Spark's classes, the C1 compiler "
+        "only, and a driver that exits without interpreter teardown. ``False``: Spark's own defaults.",
+        scope=SUBMIT,
+        check="bool",
+    )
+    output_path: str | None = setting(
+        None,
+        "where outputs bigger than ``max_xcom_output_bytes`` are stored (any ``ObjectStoragePath`` "
+        "URI: ``s3://bucket/prefix``, ``file:///shared/dir``); XCom then holds a signed reference. "
+        "Default: ``$AIRFLOW_HOME/torchdist-outputs`` on the worker.",
+        templated=True,
+        scope=XCOM,
+        check="output_path",
+    )
+    max_xcom_output_bytes: int = setting(
+        DEFAULT_MAX_XCOM_OUTPUT_BYTES,
+        "largest encoded output carried inline in XCom (default 4 MiB).",
+        scope=XCOM,
+        check="non_negative_int",
+    )
+    durable: bool = setting(
+        True,
+        "keep training when the task process dies without being asked to (OOM, SIGKILL, a lost "
+        "worker), and let the task's retry reattach to the run; ``False``: the run ends within 15 s "
+        "of losing its task. An explicit kill (timeout, mark-failed, clear) always ends the run.",
+        scope=OWNER,
+        check="bool",
+    )
+    deferrable: bool | None = setting(
+        None,
+        "wait for the run in the triggerer, freeing the worker slot (default: ``[operators] "
+        "default_deferrable``). The triggerer must reach the run's supervisor on the worker.",
+        scope=OWNER,
+        check="optional_bool",
+    )
+    reattach_timeout: float = setting(
+        DEFAULT_REATTACH_TIMEOUT,
+        "seconds a run without an owner (a killed task, a restarting triggerer) waits for one "
+        "before it tears itself down; also how long a finished run keeps its result for a retry.",
+        templated=True,
+        scope=OWNER,
+        check="float_timeout",
+    )
+    spark_submit_kwargs: dict[str, Any] = setting(
+        {},
+        "other ``SparkSubmitHook`` settings: ``executor_memory``, ``driver_memory``, "
+        "``executor_cores``, ``num_executors``, ``total_executor_cores``, ``name``, ``verbose``, "
+        "``properties_file``, ``spark_binary``, ...",
+        scope=SUBMIT,
+        check="submit_kwargs",
+    )
+
+    @property
+    def num_nodes(self) -> int:
+        """How many torchrun agents (barrier tasks) the run uses: 1 in local mode."""
+        return 1 if self.local_mode else self.num_processes // self.nproc_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainingSpec:
+        """A spec as :meth:`to_dict` wrote it (already validated: no checks here)."""
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+    def for_cluster(self) -> TrainingSpec:
+        """This spec less what only ``spark-submit`` needs (connection, Spark conf, environment):
+        what travels to the driver and, inside the barrier tasks, to every executor."""
+        return dataclasses.replace(
+            self, conf={}, env_vars={}, spark_submit_kwargs={}, conn_id=DEFAULT_CONN_ID, staging_dir=None
+        )
+
+
+SETTINGS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(TrainingSpec)}
+
+
+def settings_for(*scopes: str) -> list[str]:
+    """The names of the settings of the given scopes, in declaration order."""
+    return [name for name, f in SETTINGS.items() if f.metadata["scope"] in scopes]
+
+
+def templated_settings() -> tuple[str, ...]:
+    """The settings the operator templates."""
+    return tuple(name for name, f in SETTINGS.items() if f.metadata["templated"])
+
+
+def default_of(name: str) -> Any:
+    f = SETTINGS[name]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+
+
+def signature_of(
+    names: list[str], leading: list[inspect.Parameter], trailing: list[inspect.Parameter]
+) -> inspect.Signature:
+    """A signature with the given settings as keyword parameters, with their defaults."""
+    params = [
+        inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, default=default_of(name), annotation=SETTINGS[name].type
+        )
+        for name in names
+    ]
+    return inspect.Signature([*leading, *params, *trailing])
+
+
+def param_docs(names: list[str]) -> str:
+    """``:param name: doc`` lines for the given settings, for a generated docstring."""
+    return "\n".join(f"    :param {name}: {SETTINGS[name].metadata['doc']}" for name in names)
+
+
+def documented(names: list[str]) -> Callable[[type], type]:
+    """Class decorator: append the settings' ``:param`` docs to the class docstring."""
+
+    def apply(cls: type) -> type:
+        cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n" + param_docs(names) + "\n"
+        return cls
+
+    return apply

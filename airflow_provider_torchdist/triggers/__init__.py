@@ -1,0 +1,1 @@
+"""Triggers: wait for a training run in Airflow's triggerer while the task is deferred."""

@@ -1,0 +1,273 @@
+"""``TorchDistributorTrigger``: a deferred task's run, owned from the triggerer until it ends.
+
+A deferrable :class:`~airflow_provider_torchdist.operators.torch_distributor.TorchDistributorOperator`
+starts its run under a detached supervisor, hands the run's record to this trigger and frees its
+worker slot. The trigger becomes the run's owner over the lifeline
+(:mod:`~airflow_provider_torchdist.lifeline`, ``kind="trigger"``), waits for the run to end, leaves
+it (``detach``: the supervisor keeps the result for the task) and fires one event; the task resumes
+in ``execute_complete`` and takes the log, metrics and result from the supervisor itself.
+
+What the triggerer needs:
+
+- **to reach the supervisor** at the record's ``host:port``: the worker machine that started the
+  run, on the port its supervisor bound (the worker's ``bind_host``; loopback unless configured).
+  A triggerer on another machine needs a route to that address;
+- **the deployment's signing key** (``[torchdist] output_signing_key``, the same on every worker
+  and triggerer): the owner credential is derived from it and the run id
+  (:func:`~airflow_provider_torchdist.run_record.owner_secret`), so the trigger's kwargs hold no
+  secret. A triggerer with another key is refused by the supervisor (an ``error`` event).
+
+A lost lifeline (the supervisor's machine unreachable for a moment, a restarting triggerer) does
+not lose the run: the supervisor waits ``reattach_timeout`` for an owner, and the trigger reconnects
+with backoff for as long. ``on_kill`` (mark-failed, clear) stops the run; ``cleanup`` (every exit,
+a triggerer restart included) only closes the connection.
+
+Events (``TriggerEvent.payload``), each with the ``record`` the trigger was given:
+
+- ``{"state": "succeeded" | "failed", "status": RunStatus.to_dict()}``: the run ended;
+- ``{"state": "gone", "message": ...}``: no supervisor answered for ``reattach_timeout``;
+- ``{"state": "error", "message": ...}``: the supervisor refused the credential, or it cannot be derived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from airflow_provider_torchdist.errors import InvalidTrainingConfig
+from airflow_provider_torchdist.lifeline import (
+    AppEvent,
+    AsyncOwnerConnection,
+    DoneEvent,
+    ErrorEvent,
+    LifelineError,
+    LifelineUnreachable,
+    LineEvent,
+    RunGone,
+    RunStatus,
+)
+from airflow_provider_torchdist.run_record import RunRecord, owner_secret
+
+CLASSPATH = "airflow_provider_torchdist.triggers.torch_distributor.TorchDistributorTrigger"
+#: The longest wait between two connection attempts.
+MAX_BACKOFF_S = 60.0
+#: One connection attempt (TCP connect and the mutual authentication).
+CONNECT_TIMEOUT_S = 10.0
+#: What a failed connection attempt raises when nothing answers (yet) at the supervisor's address:
+#: worth retrying while the supervisor may still wait for an owner. Any other LifelineError at
+#: connect (a refused credential, a broken handshake) is final.
+_NOT_ANSWERING = (RunGone, LifelineUnreachable)
+
+
+class _Unreachable(Exception):
+    """No supervisor answered at the record's address for the whole ``reattach_timeout``."""
+
+
+class TorchDistributorTrigger(BaseTrigger):
+    """Own a supervised training run from the triggerer until it ends (see the module docstring).
+
+    :param record: the run's :class:`~airflow_provider_torchdist.run_record.RunRecord` as a dict
+        (``RunRecord.to_dict()``): its id, its supervisor's address and its ``reattach_timeout``.
+    :param poll_interval: seconds before the first reconnection attempt; each next wait doubles,
+        up to 60 s.
+
+    Example::
+
+        self.defer(trigger=TorchDistributorTrigger(record.to_dict()), method_name="execute_complete")
+    """
+
+    def __init__(self, record: dict[str, Any], poll_interval: float = 5.0) -> None:
+        super().__init__()
+        # Validated here, in the task, so a bad record fails the defer, not the triggerer.
+        self._record = RunRecord.from_dict(record)
+        if (
+            isinstance(poll_interval, bool)
+            or not isinstance(poll_interval, (int, float))
+            or not math.isfinite(poll_interval)
+            or poll_interval <= 0
+        ):
+            raise InvalidTrainingConfig(
+                f"TorchDistributorTrigger's poll_interval must be a positive number of seconds, got "
+                f"{poll_interval!r}."
+            )
+        self.record = self._record.to_dict()
+        self.poll_interval = float(poll_interval)
+        self._secret: bytes | None = None
+        self._connection: AsyncOwnerConnection | None = None
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return CLASSPATH, {"record": self.record, "poll_interval": self.poll_interval}
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        record = self._record
+        try:
+            secret = await self._owner_secret()
+        except Exception as exc:  # a missing, short or unreadable key, a failing secrets backend
+            yield self._event(
+                "error",
+                message=f"Cannot derive the owner credential of run {record.run_id} from the deployment's "
+                f"signing key ([torchdist] output_signing_key): {exc}",
+            )
+            return
+        since = 0
+        while True:
+            try:
+                connection = await self._connect(secret, since)
+            except _Unreachable as exc:
+                yield self._event("gone", message=str(exc))
+                return
+            except LifelineError as exc:
+                yield self._event("error", message=self._refused(exc))
+                return
+            status: RunStatus | None = connection.status
+            since = max(since, status.last_seq)
+            if not status.ended:
+                status, since = await self._wait_for_done(connection, since)
+            if status is not None:
+                break
+            await self._close()  # the lifeline dropped mid-run: reconnect, the run waits for us
+        try:
+            # The task takes the result next (execute_complete): leave on purpose, do not release.
+            await connection.detach()
+        except LifelineError as exc:
+            self.log.warning(
+                "Could not detach from run %s (%s); it keeps its result anyway.", record.run_id, exc
+            )
+        await self._close()
+        yield self._event(status.state, status=status.to_dict())
+
+    async def _wait_for_done(
+        self, connection: AsyncOwnerConnection, since: int
+    ) -> tuple[RunStatus | None, int]:
+        """The run's final status, or None when the lifeline closes first; and the last line seen."""
+        try:
+            async with contextlib.aclosing(connection.events()) as events:
+                async for event in events:
+                    if isinstance(event, LineEvent):
+                        since = max(since, event.seq)
+                    elif isinstance(event, AppEvent):
+                        self.log.info(
+                            "Run %s: Spark application %s (%s)",
+                            self._record.run_id,
+                            event.app_id,
+                            event.ui_url,
+                        )
+                    elif isinstance(event, ErrorEvent):
+                        self.log.warning("Run %s's supervisor: %s", self._record.run_id, event.message)
+                    elif isinstance(event, DoneEvent):
+                        return event.status, since
+        except LifelineError as exc:
+            self.log.warning("The lifeline of run %s dropped (%s); reconnecting.", self._record.run_id, exc)
+            return None, since
+        self.log.warning(
+            "The lifeline of run %s ended before the run did; reconnecting.", self._record.run_id
+        )
+        return None, since
+
+    async def on_kill(self) -> None:
+        """The user killed the deferred task (mark-failed, clear): stop the run, then close."""
+        record = self._record
+        try:
+            for attempt in range(2):
+                connection = self._connection
+                if connection is None:
+                    try:
+                        connection = self._connection = await AsyncOwnerConnection.connect(
+                            record.host,
+                            record.port,
+                            record.run_id,
+                            await self._owner_secret(),
+                            kind="trigger",
+                            timeout=CONNECT_TIMEOUT_S,
+                        )
+                    except RunGone:
+                        self.log.info("Run %s had already ended; nothing to stop.", record.run_id)
+                        return
+                try:
+                    await connection.stop()
+                except LifelineError:
+                    if attempt:
+                        raise
+                    await self._close()  # the kept connection had dropped: once more on a new one
+                    continue
+                self.log.info("Stopped run %s at %s:%s.", record.run_id, record.host, record.port)
+                return
+        finally:
+            await self._close()
+
+    async def cleanup(self) -> None:
+        """Only close the lifeline: a triggerer restart must not stop the run (it waits for the next)."""
+        await self._close()
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    async def _owner_secret(self) -> bytes:
+        if self._secret is None:
+            # Reading the key may read a file or run a command ([torchdist] output_signing_key_cmd):
+            # never on the event loop.
+            self._secret = await asyncio.to_thread(owner_secret, self._record.run_id)
+        return self._secret
+
+    async def _connect(self, secret: bytes, since: int) -> AsyncOwnerConnection:
+        """Become the run's owner; retry with backoff while nothing answers, for ``reattach_timeout``
+        from the first failure (as long as the supervisor waits for an owner)."""
+        record = self._record
+        delay, first_failure = self.poll_interval, None
+        while True:
+            try:
+                self._connection = await AsyncOwnerConnection.connect(
+                    record.host,
+                    record.port,
+                    record.run_id,
+                    secret,
+                    kind="trigger",
+                    since=since,
+                    timeout=CONNECT_TIMEOUT_S,
+                )
+                return self._connection
+            except _NOT_ANSWERING as exc:
+                now = time.monotonic()
+                first_failure = now if first_failure is None else first_failure
+                left = first_failure + record.reattach_timeout - now
+                if left <= 0:
+                    raise _Unreachable(
+                        f"Run {record.run_id} is gone: its supervisor at {record.host}:{record.port} did not "
+                        f"answer for {now - first_failure:.0f} s (reattach_timeout {record.reattach_timeout:g} s). "
+                        f"The run ended and was torn down, or the triggerer cannot reach that address. "
+                        f"Last error: {exc}"
+                    ) from exc
+                self.log.info(
+                    "Run %s's supervisor at %s:%s does not answer (%s); retrying in %.1f s.",
+                    record.run_id,
+                    record.host,
+                    record.port,
+                    exc,
+                    min(delay, left),
+                )
+                await asyncio.sleep(min(delay, left))
+                delay = min(delay * 2, MAX_BACKOFF_S)
+
+    def _refused(self, exc: LifelineError) -> str:
+        record = self._record
+        return (
+            f"The lifeline to run {record.run_id} at {record.host}:{record.port} failed: {exc}. When the "
+            "supervisor refused the credential: the triggerer needs the same [torchdist] output_signing_key "
+            "as the worker that started the run."
+        )
+
+    async def _close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            try:
+                await connection.close()
+            except (LifelineError, OSError) as exc:
+                self.log.debug("Closing the lifeline of run %s: %s", self._record.run_id, exc)
+
+    def _event(self, state: str, **details: Any) -> TriggerEvent:
+        return TriggerEvent({"state": state, "record": self.record, **details})

@@ -1,0 +1,387 @@
+"""A real Airflow deployment for the tests: ``scripts/airflow-standalone`` and a REST client for it.
+
+``start_deployment`` runs the launcher (API server, scheduler with the LocalExecutor, DAG processor
+and triggerer as separate processes; SQLite) in a temp AIRFLOW_HOME on a free port, serving a DAG
+folder of its own; ``stop_deployment`` stops it and says what had to be forced. The session-scoped
+``deployment`` fixture (``tests/integration/conftest.py``) serves the repository's ``dags/`` and
+``tests/integration/dags/`` to every test module that asks for it.
+
+The deployment runs with ``TORCHDIST_NO_LOGIN=1`` (SimpleAuthManager's ``all_admins``): the UI
+needs no login, and the API token comes from ``GET /auth/token``.
+
+Example::
+
+    run_id = deployment.trigger("lifetime_durable", {"gate_dir": str(gate)})
+    deployment.wait_state("lifetime_durable", run_id, "train", {"running"}, timeout=120)
+    os.kill(deployment.task_pid("lifetime_durable", run_id, "train"), signal.SIGKILL)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER = ROOT / "scripts" / "airflow-standalone"
+#: The DAG folders the shared deployment serves, each linked into its DAG folder under this name.
+DAG_FOLDERS = {"dags": ROOT / "dags", "integration_dags": ROOT / "tests" / "integration" / "dags"}
+READY_TIMEOUT = 240
+COMPONENT_LOGS = ("launcher.log", "api-server.log", "scheduler.log", "dag-processor.log", "triggerer.log")
+
+
+class ApiError(Exception):
+    """A non-2xx answer from the REST API."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:2000]}")
+        self.status = status
+        self.body = body
+
+
+def quote(value: str) -> str:
+    """A path segment (run ids hold ``:`` and ``+``)."""
+    return urllib.parse.quote(value, safe="")
+
+
+@dataclass
+class Deployment:
+    """A running ``scripts/airflow-standalone`` and a REST client for it."""
+
+    url: str
+    home: Path
+    #: The launcher's pid: its process group, and the parent of the components.
+    pgid: int
+    token: str = ""
+
+    # -- REST --------------------------------------------------------------------------------------
+
+    def call(self, method: str, path: str, body: Any = None, token: str | None = None) -> Any:
+        """One REST call with the bearer token; JSON in, JSON out."""
+        request = urllib.request.Request(
+            self.url + path,
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {token or self.token}"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            raise ApiError(exc.code, exc.read().decode(errors="replace")) from None
+
+    def login(self) -> str:
+        """A fresh API token (no login needed: every visitor is admin)."""
+        self.token = self.call("GET", "/auth/token")["access_token"]
+        return self.token
+
+    def run_path(self, dag_id: str, run_id: str) -> str:
+        return f"/api/v2/dags/{quote(dag_id)}/dagRuns/{quote(run_id)}"
+
+    def ti_path(self, dag_id: str, run_id: str, task_id: str) -> str:
+        return f"{self.run_path(dag_id, run_id)}/taskInstances/{quote(task_id)}"
+
+    def wait_parsed(self, dag_id: str, timeout: float = 120) -> dict[str, Any]:
+        """The DAG once the DAG processor has parsed it; fails with the import errors if it does not."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.call("GET", f"/api/v2/dags/{quote(dag_id)}")
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+            if time.monotonic() > deadline:
+                errors = self.call("GET", "/api/v2/importErrors")["import_errors"]
+                pytest.fail(
+                    f"the DAG processor did not parse {dag_id} in {timeout:.0f} s. Import errors:\n"
+                    + "\n".join(f"{e['filename']}: {e['stack_trace'][-2000:]}" for e in errors)
+                )
+            time.sleep(1)
+
+    def trigger(self, dag_id: str, conf: dict[str, Any] | None = None) -> str:
+        """Unpause the DAG (once parsed) and start a manual run with ``conf``; its run id."""
+        self.wait_parsed(dag_id)
+        self.call("PATCH", f"/api/v2/dags/{quote(dag_id)}", {"is_paused": False})
+        run = self.call(
+            "POST", f"/api/v2/dags/{quote(dag_id)}/dagRuns", {"logical_date": None, "conf": conf or {}}
+        )
+        return run["dag_run_id"]
+
+    def dag_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
+        return self.call("GET", self.run_path(dag_id, run_id))
+
+    def wait_run(
+        self, dag_id: str, run_id: str, states: Collection[str] = ("success", "failed"), timeout: float = 300
+    ) -> dict[str, Any]:
+        """The DAG run once its state is one of ``states``."""
+
+        def reached() -> dict[str, Any] | None:
+            run = self.dag_run(dag_id, run_id)
+            return run if run["state"] in states else None
+
+        return wait_for(reached, timeout, f"{dag_id} run {run_id} to be {'/'.join(states)}", interval=1)
+
+    def task_instance(self, dag_id: str, run_id: str, task_id: str) -> dict[str, Any]:
+        """The task instance as the REST API shows it (``state``, ``try_number``, ``id``, ``pid``...)."""
+        return self.call("GET", self.ti_path(dag_id, run_id, task_id))
+
+    def wait_state(
+        self, dag_id: str, run_id: str, task_id: str, states: Collection[str], timeout: float = 300
+    ) -> dict[str, Any]:
+        """The task instance once its state is one of ``states`` (e.g. ``{"running"}``, ``{"deferred"}``)."""
+        last: dict[str, Any] = {}
+
+        def reached() -> dict[str, Any] | None:
+            nonlocal last
+            last = self.task_instance(dag_id, run_id, task_id)
+            return last if last["state"] in states else None
+
+        deadline = time.monotonic() + timeout
+        while not reached():
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"{dag_id}.{task_id} in {run_id} did not reach {sorted(states)} in {timeout:.0f} s: it is "
+                    f"{last.get('state')!r} (try {last.get('try_number')})\n{self.log_tail(20)}"
+                )
+            time.sleep(0.5)
+        return last
+
+    def wait_trigger(
+        self, dag_id: str, run_id: str, task_id: str, timeout: float = 120, not_on: int | None = None
+    ) -> dict[str, Any]:
+        """The deferred task instance once a live triggerer has taken its trigger (``deferred`` comes
+        first: until then nothing runs it). ``not_on``: a triggerer job id to wait until it moves off
+        (the one before a restart). The triggerer's job is in ``triggerer_job``."""
+
+        def taken() -> dict[str, Any] | None:
+            ti = self.task_instance(dag_id, run_id, task_id)
+            job = ti.get("triggerer_job") or {}
+            if ti["state"] == "deferred" and job.get("state") == "running" and job.get("id") != not_on:
+                return ti
+            return None
+
+        return wait_for(
+            taken, timeout, f"a triggerer to take {dag_id}.{task_id}'s trigger in {run_id}", interval=0.5
+        )
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int) -> str:
+        """One try's task log as text, one line per log record (the REST API's structured log)."""
+        path = f"{self.ti_path(dag_id, run_id, task_id)}/logs/{try_number}?full_content=true"
+        content = self.call("GET", path)["content"]
+        return "\n".join(item.get("event", "") if isinstance(item, dict) else str(item) for item in content)
+
+    def xcom(self, dag_id: str, run_id: str, task_id: str, key: str = "return_value") -> Any:
+        path = f"{self.ti_path(dag_id, run_id, task_id)}/xcomEntries/{quote(key)}"
+        return self.call("GET", path)["value"]
+
+    def mark_failed(self, dag_id: str, run_id: str, task_id: str) -> None:
+        """What the UI's "Mark as failed" does: the running or deferred task is killed."""
+        self.call("PATCH", self.ti_path(dag_id, run_id, task_id), {"new_state": "failed"})
+
+    # -- processes ---------------------------------------------------------------------------------
+
+    def task_pid(self, dag_id: str, run_id: str, task_id: str, timeout: float = 60) -> int:
+        """The process running the task instance's current try (the one ``execute`` runs in).
+
+        The LocalExecutor's worker (titled ``airflow worker -- LocalExecutor: <ti id>``) supervises
+        each try in a child process, which titles itself ``airflow worker -- <ti id>`` (Airflow's
+        ``task_runner.startup``); each try has an id of its own. It is the process the REST API
+        shows as the task instance's ``pid``, and the parent of the try's spark-submit or supervisor.
+        """
+        ti_id = self.task_instance(dag_id, run_id, task_id)["id"]
+        title = f"airflow worker -- {ti_id}"
+
+        def find() -> int | None:
+            for proc in psutil.process_iter():
+                try:
+                    if " ".join(proc.cmdline()).strip() == title:
+                        return proc.pid
+                except psutil.Error:
+                    continue
+            return None
+
+        return wait_for(
+            find, timeout, f"the process of {dag_id}.{task_id} in {run_id} ({title})", interval=0.2
+        )
+
+    def component(self, name: str) -> psutil.Process:
+        """A component the launcher started (``api-server``, ``scheduler``, ``dag-processor``, ``triggerer``)."""
+        # `airflow <name> ...` as started, or as the component retitles itself (the API server:
+        # `airflow api_server -- host:... port:...`).
+        retitled = f"airflow {name.replace('-', '_')} --"
+        for proc in psutil.Process(self.pgid).children():
+            try:
+                args = proc.cmdline()
+                if (
+                    name in args or " ".join(args).startswith(retitled)
+                ) and proc.status() != psutil.STATUS_ZOMBIE:
+                    return proc
+            except psutil.Error:
+                continue
+        raise LookupError(f"no live {name} under the launcher {self.pgid}")
+
+    def restart_triggerer(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 120) -> psutil.Process:
+        """Stop the triggerer with ``sig`` and have the launcher start it again; returns the new one
+        once it heartbeats (:meth:`wait_trigger` with ``not_on`` then says when it has taken over a
+        deferred task's trigger).
+
+        ``SIGTERM`` is a clean restart (Airflow cancels the triggers and calls their ``cleanup``);
+        ``SIGKILL`` kills the triggerer and its trigger runner process at once (a crash). Either way
+        the launcher sees it exit with ``$AIRFLOW_HOME/restart-triggerer`` present and starts it again.
+        """
+        old = self.component("triggerer")
+        tree = [old, *old.children(recursive=True)]
+        (self.home / "restart-triggerer").touch()
+        asked = time.time()
+        for proc in tree if sig == signal.SIGKILL else [old]:
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(tree, timeout=60)
+        assert not alive, f"the triggerer did not stop on {sig.name}: {alive}"
+
+        def heartbeats() -> psutil.Process | None:
+            try:
+                new = self.component("triggerer")
+            except LookupError:
+                return None
+            health = self.call("GET", "/api/v2/monitor/health").get("triggerer", {})
+            beat = health.get("latest_triggerer_heartbeat")
+            fresh = beat is not None and datetime.fromisoformat(beat).timestamp() > asked
+            return new if new.pid != old.pid and fresh else None
+
+        return wait_for(heartbeats, timeout, f"the triggerer to start again\n{self.log_tail(20)}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The end of the launcher's and the components' output, for failure messages."""
+        parts = []
+        for name in COMPONENT_LOGS:
+            path = self.home / name
+            if path.exists():
+                text = path.read_text(errors="replace").splitlines()[-lines:]
+                parts.append(f"--- {name}\n" + "\n".join(text))
+        return "\n".join(parts)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 1.0) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def processes_of(home: Path, pgid: int) -> list[psutil.Process]:
+    """Every live process of this deployment: in the launcher's session (the launcher leads both its
+    session and process group; task processes take a process group of their own), or started with its
+    AIRFLOW_HOME (task processes give spark-submit a session of its own). Airflow's retitled
+    processes (``airflow worker -- ...``) show an empty environment, hence the session."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            ours = pgid in (os.getpgid(proc.pid), os.getsid(proc.pid))
+            if ours or proc.environ().get("AIRFLOW_HOME") == str(home):
+                found.append(proc)
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return found
+
+
+def dag_folder(path: Path, sources: dict[str, Path] = DAG_FOLDERS) -> Path:
+    """A DAG folder linking each of ``sources`` in as a subfolder (the DAG processor follows links)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name, source in sources.items():
+        (path / name).symlink_to(source, target_is_directory=True)
+    return path
+
+
+def start_deployment(home: Path, dags: Path) -> tuple[subprocess.Popen[bytes], Deployment]:
+    """Start ``scripts/airflow-standalone`` in ``home`` serving ``dags``, on a free port; returns once
+    it reports ready (failing the test with the components' logs if it does not)."""
+    port = free_port()
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("AIRFLOW__", "AIRFLOW_CONN_")) and key != "VIRTUAL_ENV"
+    }
+    env |= {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW_PORT": str(port),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+        "TORCHDIST_NO_LOGIN": "1",
+        "READY_TIMEOUT": str(READY_TIMEOUT),
+        # A PATH without the venv: the launcher must put it there itself (components run as `airflow`).
+        "PATH": os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if ".venv" not in p),
+    }
+    started = time.monotonic()
+    with open(home / "launcher.log", "wb") as out:
+        launcher = subprocess.Popen(
+            ["bash", str(LAUNCHER)], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    deployment = Deployment(url=f"http://127.0.0.1:{port}", home=home, pgid=launcher.pid)
+
+    def ready() -> bool:
+        assert launcher.poll() is None, (
+            f"the launcher exited ({launcher.returncode}):\n{deployment.log_tail()}"
+        )
+        return "Airflow is ready at" in (home / "launcher.log").read_text(errors="replace")
+
+    try:
+        wait_for(ready, READY_TIMEOUT + 30, "scripts/airflow-standalone to report ready")
+    except BaseException:
+        stop_deployment(launcher, home)
+        raise
+    print(f"deployment ready in {time.monotonic() - started:.1f} s")
+    return launcher, deployment
+
+
+def stop_deployment(launcher: subprocess.Popen[bytes], home: Path) -> list[str]:
+    """SIGTERM the launcher (it stops the components cleanly), then force whatever is left; return
+    what had to be forced."""
+    pgid = launcher.pid
+    launcher.send_signal(signal.SIGTERM)
+    try:
+        launcher.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    forced = []
+    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        left = processes_of(home, pgid)
+        if not left:
+            break
+        forced += [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in left if sig == signal.SIGTERM]
+        for proc in left:
+            try:
+                proc.send_signal(sig)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(left, timeout=grace)
+    launcher.wait(timeout=10)
+    return forced

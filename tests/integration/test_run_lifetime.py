@@ -1,0 +1,167 @@
+"""Runs that outlive their task on purpose, and only on purpose, in the shared real deployment.
+
+Training waits at a gate the test opens (``tests/integration/dags/lifetime_dags.py``): the test
+kills the task process while every rank is known to be training, never after a sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.integration.deployment import Deployment, wait_for
+
+pytestmark = pytest.mark.integration
+
+SUPERVISOR_MODULE = "airflow_provider_torchdist.supervisor"
+
+
+def _gate(tmp_path: Path) -> Path:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    gate.chmod(0o777)
+    return gate
+
+
+def _training(gate: Path) -> bool:
+    return all((gate / f"training-{rank}").exists() for rank in (0, 1))
+
+
+def _supervisor_of(task_pid: int) -> psutil.Process:
+    """The run's supervisor: the task process's child running the supervisor module."""
+    for child in psutil.Process(task_pid).children():
+        if SUPERVISOR_MODULE in " ".join(child.cmdline()):
+            return child
+    raise AssertionError(f"task process {task_pid} has no run supervisor child")
+
+
+def _run_tree(supervisor: psutil.Process, gate: Path) -> dict[int, str]:
+    """Every process of the run: the supervisor, everything under it, and the ranks (by their pid files)."""
+    procs = [supervisor, *supervisor.children(recursive=True)]
+    for rank in (0, 1):
+        procs.append(psutil.Process(int((gate / f"training-{rank}").read_text())))
+    tree = {}
+    for proc in procs:
+        try:
+            tree[proc.pid] = " ".join(proc.cmdline())[:160]
+        except psutil.Error:  # a short-lived child that has just exited
+            continue
+    return tree
+
+
+def _alive(pids: dict[int, str]) -> dict[int, str]:
+    left = {}
+    for pid, cmd in pids.items():
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left[pid] = cmd
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def test_sigkill_of_a_non_durable_task_leaves_nothing_of_its_run_within_15_s(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    gate = _gate(tmp_path)
+    run_id = deployment.trigger("lifetime_nondurable", {"gate_dir": str(gate)})
+    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    task = deployment.task_pid("lifetime_nondurable", run_id, "train")
+    supervisor = _supervisor_of(task)
+    staging = Path(supervisor.cmdline()[-1])
+    tree = _run_tree(supervisor, gate)
+    assert staging.is_dir() and len(tree) > 4, tree
+
+    os.kill(task, signal.SIGKILL)
+    killed = time.monotonic()
+    while _alive(tree) or staging.exists():
+        assert time.monotonic() - killed < 15, (
+            f"15 s after the task's SIGKILL: left {_alive(tree)}, staging {'there' if staging.exists() else 'gone'}"
+        )
+        time.sleep(0.2)
+    ti = deployment.wait_state("lifetime_nondurable", run_id, "train", {"failed"}, timeout=120)
+    assert ti["try_number"] == 1
+
+
+def test_sigkill_of_a_durable_task_is_survived_and_the_retry_reattaches(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    gate = _gate(tmp_path)
+    dag = "lifetime_durable"
+    run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
+    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    task = deployment.task_pid(dag, run_id, "train")
+    supervisor = _supervisor_of(task)
+    os.kill(task, signal.SIGKILL)
+
+    # The retry reattaches to the same supervisor while the ranks still wait at the gate.
+    deployment.wait_state(dag, run_id, "train", {"running"}, timeout=180)
+    wait_for(lambda: deployment.task_instance(dag, run_id, "train")["try_number"] == 2, 180, "try 2 to start")
+    retry = deployment.task_pid(dag, run_id, "train")
+    assert retry != task and supervisor.is_running()
+    (gate / "release").touch()
+
+    final = deployment.wait_run(dag, run_id, timeout=240)
+    assert final["state"] == "success", "\n".join(
+        deployment.task_log(
+            dag, run_id, task_id, deployment.task_instance(dag, run_id, task_id)["try_number"]
+        )[-4000:]
+        for task_id in ("train", "check")
+    )
+    # Trained exactly once: one start per rank.
+    for rank in (0, 1):
+        assert len((gate / f"started-{rank}").read_text().splitlines()) == 1
+    assert deployment.xcom(dag, run_id, "check") == {"trained": True, "world": 2}
+    log = deployment.task_log(dag, run_id, "train", 2)
+    assert "before-gate rank 0" in log and "after-gate rank 0" in log, log[-3000:]
+    wait_for(lambda: not supervisor.is_running(), 30, "the supervisor to end after release", interval=0.2)
+
+
+def _supervisor_for(gate: Path) -> psutil.Process:
+    """The supervisor of the run whose ranks wrote their pids into ``gate`` (a rank's ancestor)."""
+    proc: psutil.Process | None = psutil.Process(int((gate / "training-0").read_text()))
+    while proc is not None:
+        if SUPERVISOR_MODULE in " ".join(proc.cmdline()):
+            return proc
+        proc = proc.parent()
+    raise AssertionError("rank 0 has no run supervisor among its ancestors")
+
+
+def test_a_deferrable_run_trains_while_the_task_is_deferred_then_succeeds(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    gate = _gate(tmp_path)
+    dag = "lifetime_deferrable"
+    run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
+    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    deployment.wait_trigger(dag, run_id, "train")
+    assert _supervisor_for(gate).is_running()
+    (gate / "release").touch()
+    final = deployment.wait_run(dag, run_id, timeout=240)
+    assert final["state"] == "success", deployment.log_tail(40)
+    assert deployment.xcom(dag, run_id, "check") == {"trained": True, "world": 2}
+    metrics = deployment.xcom(dag, run_id, "train", key="metrics")
+    assert [m.get("gate_open") for m in metrics] == [0, 1], metrics
+
+
+def test_mark_failed_while_deferred_leaves_nothing_of_the_run_within_15_s(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    gate = _gate(tmp_path)
+    dag = "lifetime_deferrable"
+    run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
+    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    deployment.wait_trigger(dag, run_id, "train")
+    supervisor = _supervisor_for(gate)
+    staging = Path(supervisor.cmdline()[-1])
+    tree = _run_tree(supervisor, gate)
+    deployment.mark_failed(dag, run_id, "train")
+    marked = time.monotonic()
+    while _alive(tree) or staging.exists():
+        assert time.monotonic() - marked < 15, f"15 s after mark-failed: left {_alive(tree)}"
+        time.sleep(0.2)

@@ -1,0 +1,70 @@
+"""The run record in task_state_store: what it holds, what it refuses, and the derived credential."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from airflow_provider_torchdist.errors import InvalidTrainingConfig
+from airflow_provider_torchdist.run_record import RECORD_VERSION, RunRecord, owner_secret
+
+GOOD = RunRecord(run_id="abc123", host="127.0.0.1", port=4242, durable=True, reattach_timeout=600.0)
+
+
+def test_a_record_round_trips_through_json_and_holds_no_secret():
+    data = json.loads(json.dumps(GOOD.to_dict()))
+    assert RunRecord.from_dict(data) == GOOD
+    assert set(data) == {
+        "run_id",
+        "host",
+        "port",
+        "durable",
+        "reattach_timeout",
+        "version",
+        "provider_version",
+    }
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"run_id": ""},
+        {"run_id": 5},
+        {"host": ""},
+        {"port": 0},
+        {"port": 70000},
+        {"port": True},
+        {"port": "4242"},
+        {"durable": 1},
+        {"durable": "yes"},
+        {"reattach_timeout": 0},
+        {"reattach_timeout": -1.0},
+        {"reattach_timeout": "600"},
+        {"reattach_timeout": True},
+        {"reattach_timeout": float("nan")},
+    ],
+)
+def test_a_malformed_record_is_refused(change):
+    with pytest.raises(InvalidTrainingConfig, match="malformed"):
+        RunRecord.from_dict({**GOOD.to_dict(), **change})
+
+
+@pytest.mark.parametrize("data", [None, [], "abc", {}, {"run_id": "abc123"}])
+def test_something_else_is_not_taken_for_a_record(data):
+    with pytest.raises(InvalidTrainingConfig, match="not one this provider wrote"):
+        RunRecord.from_dict(data)
+
+
+def test_a_record_of_another_version_is_refused_naming_both_versions():
+    data = {**GOOD.to_dict(), "version": RECORD_VERSION + 1, "provider_version": "9.9.9"}
+    with pytest.raises(InvalidTrainingConfig, match=r"9\.9\.9.*cannot reattach"):
+        RunRecord.from_dict(data)
+
+
+def test_the_owner_credential_is_derived_per_run_and_per_key():
+    key, other = b"k" * 32, b"o" * 32
+    assert owner_secret("run-a", key) == owner_secret("run-a", key)
+    assert len(owner_secret("run-a", key)) == 32
+    assert owner_secret("run-a", key) != owner_secret("run-b", key)
+    assert owner_secret("run-a", key) != owner_secret("run-a", other)

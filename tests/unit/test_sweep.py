@@ -1,0 +1,112 @@
+"""sweep_stale: only this user's run directories of dead processes go; live and in-process runs stay."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from airflow_provider_torchdist.sweep import (
+    ADDRESS_FILE,
+    STALE_AFTER_S,
+    SUPERVISOR_FILE,
+    is_stale,
+    sweep_stale,
+)
+
+
+@pytest.fixture
+def dead_pid() -> int:
+    """The PID of a process that has exited and been reaped."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def staging(base: Path, name: str, *, addr_pid: int | None = None, config_age: float | None = None) -> Path:
+    path = base / name
+    path.mkdir()
+    (path / "spec.json").write_text("{}")
+    if addr_pid is not None:
+        (path / ADDRESS_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": 1, "pid": addr_pid}))
+    if config_age is not None:
+        config = path / SUPERVISOR_FILE
+        config.write_text("{}")
+        old = time.time() - config_age
+        os.utime(config, (old, old))
+    return path
+
+
+def test_a_dead_supervisors_staging_dir_goes_and_a_live_ones_stays(tmp_path, dead_pid):
+    dead = staging(tmp_path, "torchdist-dead", addr_pid=dead_pid, config_age=1)
+    # This test process is alive, but not a supervisor: its PID in an address is a recycled one.
+    recycled = staging(tmp_path, "torchdist-recycled", addr_pid=os.getpid(), config_age=1)
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "airflow_provider_torchdist.supervisor"]
+    )
+    try:
+        live = staging(tmp_path, "torchdist-live", addr_pid=supervisor.pid, config_age=STALE_AFTER_S * 2)
+        assert sorted(sweep_stale(tmp_path)) == sorted([dead, recycled])
+        assert live.is_dir()
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+
+
+def test_a_supervised_dir_without_an_address_goes_only_when_old(tmp_path):
+    old = staging(tmp_path, "torchdist-old", config_age=STALE_AFTER_S + 60)
+    young = staging(tmp_path, "torchdist-young", config_age=60)
+    assert sweep_stale(tmp_path) == [old]
+    assert young.is_dir()
+    # ... measured against ``now``.
+    assert sweep_stale(tmp_path, now=time.time() + STALE_AFTER_S) == [young]
+
+
+def test_an_in_process_runs_staging_dir_is_never_swept(tmp_path):
+    """hook.run() stages without a supervisor and may train for hours: nothing tells it is dead."""
+    in_process = staging(tmp_path, "torchdist-inproc")
+    os.utime(in_process, (0, 0))
+    assert sweep_stale(tmp_path, now=time.time() + 10 * STALE_AFTER_S) == []
+    assert in_process.is_dir()
+
+
+def test_agent_dirs_go_when_their_process_is_dead(tmp_path, dead_pid):
+    dead = tmp_path / f"torchdist-agent-{dead_pid}-abc"
+    live = tmp_path / f"torchdist-agent-{os.getpid()}-abc"
+    legacy = tmp_path / "torchdist-agent-k2j3h4"  # before the PID was in the name: left alone
+    for path in (dead, live, legacy):
+        path.mkdir()
+        (path / "attempt_0").mkdir()
+    assert sweep_stale(tmp_path) == [dead]
+    assert live.is_dir() and legacy.is_dir()
+
+
+def test_symlinks_files_and_other_names_are_left_alone(tmp_path, dead_pid):
+    target = staging(tmp_path, "elsewhere", addr_pid=dead_pid)
+    (tmp_path / "torchdist-link").symlink_to(target)
+    (tmp_path / f"torchdist-agent-{dead_pid}-link").symlink_to(target)
+    (tmp_path / "torchdist-file").write_text("x")
+    other = staging(tmp_path, "spark-dead", addr_pid=dead_pid)
+    assert sweep_stale(tmp_path) == []
+    assert target.is_dir() and other.is_dir() and (tmp_path / "torchdist-file").exists()
+
+
+def test_an_unreadable_address_falls_back_to_the_age_rule(tmp_path):
+    young = staging(tmp_path, "torchdist-garbled", config_age=1)
+    (young / ADDRESS_FILE).write_text("{not json")
+    assert not is_stale(young)
+    assert is_stale(young, now=time.time() + STALE_AFTER_S + 1)
+
+
+def test_several_bases_are_swept_once_each(tmp_path, dead_pid):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    in_a = staging(a, "torchdist-x", addr_pid=dead_pid)
+    in_b = staging(b, f"torchdist-agent-{dead_pid}-y")
+    assert sorted(sweep_stale([a, b, a, tmp_path / "missing"])) == sorted([in_a, in_b])
