@@ -80,6 +80,8 @@ OWNER_KINDS = ("task", "trigger")
 KINDS = (*OWNER_KINDS, "status")
 STATES = ("starting", "running", "succeeded", "failed")
 ENDED_STATES = ("succeeded", "failed")
+#: What a failed run's ``error_kind`` can be (None for a run that has not failed).
+ERROR_KINDS = (None, "training", "run")
 COMMANDS = ("ping", "stop", "detach", "release", "fetch")
 
 #: How much of one log line travels (in characters): JSON may spell a character in 6 bytes.
@@ -235,12 +237,16 @@ def _valid_output(value: Any) -> bool:
 @dataclass(frozen=True)
 class RunStatus:
     """Where a supervised run stands. ``failures`` are :class:`RankFailure` dicts; ``output`` is
-    ``{"format", "type", "size", "sha256"}`` of rank 0's output (None: none, or not yet)."""
+    ``{"format", "type", "size", "sha256"}`` of rank 0's output (None: none, or not yet).
+    ``error_kind`` says what failed, as the in-process path tells it apart: ``"training"`` (the
+    driver reported the failed outcome: :class:`TrainingFailed`), ``"run"`` (spark-submit, the
+    application or the supervisor ended it first: :class:`SparkSubmitFailed`); None unless failed."""
 
     state: str
     app_id: str | None = None
     ui_url: str | None = None
     error: str | None = None
+    error_kind: str | None = None
     failures: list[dict[str, Any]] = field(default_factory=list)
     metrics: list[dict[str, Any]] = field(default_factory=list)
     output: dict[str, Any] | None = None
@@ -257,6 +263,7 @@ class RunStatus:
             "app_id": self.app_id,
             "ui_url": self.ui_url,
             "error": self.error,
+            "error_kind": self.error_kind,
             "failures": [dict(f) for f in self.failures],
             "metrics": [dict(m) for m in self.metrics],
             "output": None if self.output is None else dict(self.output),
@@ -275,6 +282,7 @@ class RunStatus:
                 ("app_id", data["app_id"] is None or (isinstance(data["app_id"], str) and data["app_id"])),
                 ("ui_url", _opt_str(data["ui_url"])),
                 ("error", _opt_str(data["error"])),
+                ("error_kind", data["error_kind"] in ERROR_KINDS),
                 (
                     "failures",
                     isinstance(data["failures"], list) and all(map(_valid_failure, data["failures"])),
@@ -1025,6 +1033,7 @@ class RunState:
         self._state = "starting"
         self._app: tuple[str, str | None] | None = None
         self._error: str | None = None
+        self._error_kind: str | None = None
         self._failures: list[dict[str, Any]] = []
         self._metrics: list[dict[str, Any]] = []
         self._output: dict[str, Any] | None = None
@@ -1066,18 +1075,23 @@ class RunState:
         state: str,
         *,
         error: str | None = None,
+        error_kind: str | None = None,
         failures: list[dict[str, Any]] | None = None,
         metrics: list[dict[str, Any]] | None = None,
         output: dict[str, Any] | None = None,
         output_path: Path | None = None,
     ) -> bool:
-        """The run has ended: every owner gets ``done``. False (and nothing changes) if it had already."""
+        """The run has ended: every owner gets ``done``. False (and nothing changes) if it had already.
+        A failed run's ``error_kind`` is ``"run"`` unless told (``"training"``)."""
         if state not in ENDED_STATES:
             raise ValueError(f"a run ends as one of {ENDED_STATES}, not {state!r}")
+        if error_kind not in ERROR_KINDS:
+            raise ValueError(f"error_kind is one of {ERROR_KINDS}, not {error_kind!r}")
         with self._lock:
             if self._state in ENDED_STATES:
                 return False
             self._state, self._error = state, error
+            self._error_kind = (error_kind or "run") if state == "failed" else None
             self._failures = [_trimmed_failure(f) for f in failures or []]
             if metrics is not None:
                 self._metrics = list(metrics)
@@ -1136,6 +1150,7 @@ class RunState:
             app_id=app_id,
             ui_url=ui_url,
             error=self._error,
+            error_kind=self._error_kind,
             failures=list(self._failures),
             metrics=_newest_that_fit(self._metrics, METRICS_BUDGET_BYTES),
             output=self._output,

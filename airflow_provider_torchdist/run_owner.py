@@ -212,7 +212,7 @@ def raise_for_failure(status: RunStatus) -> None:
     """Raise the error an in-process run would have raised for this ended run (nothing if it succeeded)."""
     if status.state == "succeeded":
         return
-    if status.failures:
+    if status.error_kind == "training" or status.failures:
         raise TrainingFailed([RankFailure(**f) for f in status.failures], status.error)
     raise SparkSubmitFailed(status.error or f"The run ended in state {status.state!r} without an error.")
 

@@ -480,7 +480,9 @@ class RunSupervisor:
             )
         elif not outcome.ok:
             failures = [dataclasses.asdict(f) for f in outcome.failures]
-            self._finish("failed", error=outcome.error, failures=failures, metrics=metrics)
+            self._finish(
+                "failed", error=outcome.error, error_kind="training", failures=failures, metrics=metrics
+            )
         elif self.config.output_file is None:
             self._finish("succeeded", metrics=metrics)
         else:

@@ -350,6 +350,32 @@ def _failure(sec: dict[str, Any]) -> list[str]:
     return lines + _table(["mode", "median s", "max s", "target", "load"], rows) + [""]
 
 
+def _reattach(sec: dict[str, Any]) -> list[str]:
+    st = sec["stats"]
+    lines = [
+        "### Kill to reattach",
+        "",
+        "`python bench/reattach.py`: the process owning a durable distributed run is SIGKILLed while both ranks "
+        "train; a fresh interpreter (as a retried task is) imports the hook, reads the run's record and follows "
+        "the run. Measured from the kill to the first replayed log line reaching the new owner. Baseline: a "
+        "fresh interpreter that only imports the hook. Airflow's own part of a retry (noticing the dead try, "
+        "`retry_delay`, starting the next try) comes on top.",
+        "",
+    ]
+    rows = [
+        [
+            _s(st["kill_to_reattached_median_s"]),
+            _s(st["import_only_median_s"]),
+            _s(st["ratio_to_import_only"]),
+            _s(st["reattached_to_value_median_s"]),
+            str(st["n"]),
+            _load(sec["samples"]),
+        ]
+    ]
+    header = ["kill to reattached s", "import only s", "ratio", "reattached to value s", "n", "load"]
+    return lines + _table(header, rows) + [""]
+
+
 def _output(sec: dict[str, Any]) -> list[str]:
     lines = [
         "### Output round trip",
@@ -506,6 +532,7 @@ def render(results: dict[str, Any]) -> str:
         ("fast_start", _fast_start),
         ("throughput", _throughput),
         ("failure_latency", _failure),
+        ("reattach", _reattach),
         ("output_roundtrip", _output),
         ("scaling", _scaling),
     ):

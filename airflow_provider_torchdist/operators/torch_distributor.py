@@ -245,9 +245,17 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         self._check_work(at_parse_time=False)
         self._hook = self.make_hook(context)
         state = event.get("state")
+        record = RunRecord.from_dict(event["record"])
         if state in ("error", "gone"):
+            if state == "error":
+                # The task fails: a run still there would hold its application and checkpoint lock
+                # for reattach_timeout with nobody to come back for it.
+                try:
+                    end_run(record)
+                except Exception as exc:  # the lifeline is what failed: say so, raise the trigger's error
+                    self.log.warning("Could not stop run %s: %s", record.run_id, exc)
             raise SparkSubmitFailed(f"Waiting for the training run failed: {event.get('message') or state}")
-        return self._follow(RunRecord.from_dict(event["record"]), context)
+        return self._follow(record, context)
 
     # -- owning the run ---------------------------------------------------------------------------
 

@@ -26,7 +26,8 @@ Events (``TriggerEvent.payload``), each with the ``record`` the trigger was give
 
 - ``{"state": "succeeded" | "failed", "status": RunStatus.to_dict()}``: the run ended;
 - ``{"state": "gone", "message": ...}``: no supervisor answered for ``reattach_timeout``;
-- ``{"state": "error", "message": ...}``: the supervisor refused the credential, or it cannot be derived.
+- ``{"state": "error", "message": ...}``: the supervisor refused the credential, it cannot be derived,
+  or the trigger itself failed (the task then stops the run).
 """
 
 from __future__ import annotations
@@ -105,6 +106,16 @@ class TorchDistributorTrigger(BaseTrigger):
         return CLASSPATH, {"record": self.record, "poll_interval": self.poll_interval}
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        try:
+            async for event in self._own_until_done():
+                yield event
+        except Exception as exc:  # never a bare traceback: the task needs the record to stop the run
+            self.log.exception("Waiting for run %s failed", self._record.run_id)
+            yield self._event(
+                "error", message=f"the trigger failed while waiting for the run: {type(exc).__name__}: {exc}"
+            )
+
+    async def _own_until_done(self) -> AsyncIterator[TriggerEvent]:
         record = self._record
         try:
             secret = await self._owner_secret()

@@ -179,10 +179,20 @@ class Deployment:
         )
 
     def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int) -> str:
-        """One try's task log as text, one line per log record (the REST API's structured log)."""
+        """One try's task log as text, one line per log record (the REST API's structured log), and
+        ``ExcType: message`` after a record that carries an exception."""
         path = f"{self.ti_path(dag_id, run_id, task_id)}/logs/{try_number}?full_content=true"
         content = self.call("GET", path)["content"]
-        return "\n".join(item.get("event", "") if isinstance(item, dict) else str(item) for item in content)
+        lines = []
+        for item in content:
+            if not isinstance(item, dict):
+                lines.append(str(item))
+                continue
+            lines.append(item.get("event", ""))
+            # A failed try's exception is a structured field of its "Task failed" record.
+            for error in item.get("error_detail") or ():
+                lines.append(f"{error.get('exc_type')}: {error.get('exc_value')}")
+        return "\n".join(lines)
 
     def xcom(self, dag_id: str, run_id: str, task_id: str, key: str = "return_value") -> Any:
         path = f"{self.ti_path(dag_id, run_id, task_id)}/xcomEntries/{quote(key)}"
@@ -266,6 +276,21 @@ class Deployment:
             return new if new.pid != old.pid and fresh else None
 
         return wait_for(heartbeats, timeout, f"the triggerer to start again\n{self.log_tail(20)}")
+
+    def run_report(self, dag_id: str, run_id: str, chars: int = 4000) -> str:
+        """Every task instance of a DAG run with its state and the end of each try's log, for
+        failure messages (a trigger's log is in its task's log)."""
+        parts = []
+        listing = self.call("GET", f"{self.run_path(dag_id, run_id)}/taskInstances")["task_instances"]
+        for ti in listing:
+            parts.append(f"=== {ti['task_id']}: {ti['state']} (try {ti['try_number']})")
+            for attempt in range(1, (ti["try_number"] or 0) + 1):
+                try:
+                    log = self.task_log(dag_id, run_id, ti["task_id"], attempt)
+                except ApiError as exc:
+                    log = str(exc)
+                parts.append(f"--- try {attempt}\n{log[-chars:]}")
+        return "\n".join(parts)
 
     def log_tail(self, lines: int = 60) -> str:
         """The end of the launcher's and the components' output, for failure messages."""

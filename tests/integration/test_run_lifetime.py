@@ -6,9 +6,11 @@ kills the task process while every rank is known to be training, never after a s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -19,6 +21,41 @@ from tests.integration.deployment import Deployment, wait_for
 pytestmark = pytest.mark.integration
 
 SUPERVISOR_MODULE = "airflow_provider_torchdist.supervisor"
+
+
+def _supervisors() -> dict[int, psutil.Process]:
+    found = {}
+    for proc in psutil.process_iter():
+        try:
+            if SUPERVISOR_MODULE in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
+                found[proc.pid] = proc
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_supervisor_left() -> Iterator[None]:
+    """Every test here ends with no run supervisor of its own left: one still there 30 s after the
+    test is a leak (it would hold its run's Spark application and lock for ``reattach_timeout``).
+    It is stopped by PID and the test errors."""
+    before = set(_supervisors())
+    yield
+    deadline = time.monotonic() + 30
+    while (
+        left := {pid: p for pid, p in _supervisors().items() if pid not in before}
+    ) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # SIGTERM is the supervisor's own teardown (spark-submit, in a session of its own, goes too);
+    # SIGKILL for one that does not end on it.
+    for proc in left.values():
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, stuck = psutil.wait_procs(list(left.values()), timeout=20)
+    for proc in stuck:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    assert not left, f"run supervisors (pids {sorted(left)}) outlived the test by 30 s; stopped now"
 
 
 def _gate(tmp_path: Path) -> Path:
@@ -107,12 +144,7 @@ def test_sigkill_of_a_durable_task_is_survived_and_the_retry_reattaches(
     (gate / "release").touch()
 
     final = deployment.wait_run(dag, run_id, timeout=240)
-    assert final["state"] == "success", "\n".join(
-        deployment.task_log(
-            dag, run_id, task_id, deployment.task_instance(dag, run_id, task_id)["try_number"]
-        )[-4000:]
-        for task_id in ("train", "check")
-    )
+    assert final["state"] == "success", deployment.run_report(dag, run_id)
     # Trained exactly once: one start per rank.
     for rank in (0, 1):
         assert len((gate / f"started-{rank}").read_text().splitlines()) == 1
@@ -143,7 +175,7 @@ def test_a_deferrable_run_trains_while_the_task_is_deferred_then_succeeds(
     assert _supervisor_for(gate).is_running()
     (gate / "release").touch()
     final = deployment.wait_run(dag, run_id, timeout=240)
-    assert final["state"] == "success", deployment.log_tail(40)
+    assert final["state"] == "success", deployment.run_report(dag, run_id)
     assert deployment.xcom(dag, run_id, "check") == {"trained": True, "world": 2}
     metrics = deployment.xcom(dag, run_id, "train", key="metrics")
     assert [m.get("gate_open") for m in metrics] == [0, 1], metrics
@@ -164,4 +196,89 @@ def test_mark_failed_while_deferred_leaves_nothing_of_the_run_within_15_s(
     marked = time.monotonic()
     while _alive(tree) or staging.exists():
         assert time.monotonic() - marked < 15, f"15 s after mark-failed: left {_alive(tree)}"
+        time.sleep(0.2)
+
+
+def test_a_durable_run_nobody_comes_back_for_is_torn_down_after_reattach_timeout(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    gate = _gate(tmp_path)
+    dag, reattach = "lifetime_no_owner", 20
+    run_id = deployment.trigger(dag, {"gate_dir": str(gate), "reattach_timeout": reattach})
+    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    task = deployment.task_pid(dag, run_id, "train")
+    supervisor = _supervisor_of(task)
+    staging = Path(supervisor.cmdline()[-1])
+    tree = _run_tree(supervisor, gate)
+    os.kill(task, signal.SIGKILL)
+    killed = time.monotonic()
+
+    # No retry: the task fails while its durable run still waits for an owner...
+    ti = deployment.wait_state(dag, run_id, "train", {"failed"}, timeout=60)
+    assert ti["try_number"] == 1
+    waited = time.monotonic() - killed
+    assert waited < reattach and supervisor.is_running(), (
+        f"the run did not wait for an owner: {waited:.1f} s after the kill, supervisor "
+        f"{'alive' if supervisor.is_running() else 'gone'}"
+    )
+    # ...then tears itself down, all of it, once reattach_timeout has passed.
+    while _alive(tree) or staging.exists():
+        assert time.monotonic() - killed < reattach + 15, (
+            f"{reattach} + 15 s after the kill: left {_alive(tree)}, staging {'there' if staging.exists() else 'gone'}"
+        )
+        time.sleep(0.2)
+    assert time.monotonic() - killed >= reattach - 1, "the run was torn down before reattach_timeout"
+    assert not (gate / "release").exists()
+
+
+def test_a_triggerer_restart_mid_run_does_not_fail_the_run(deployment: Deployment, tmp_path: Path) -> None:
+    gate = _gate(tmp_path)
+    dag = "lifetime_deferrable"
+    run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
+    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    before = deployment.wait_trigger(dag, run_id, "train")["triggerer_job"]["id"]
+    supervisor = _supervisor_for(gate)
+
+    deployment.restart_triggerer(signal.SIGTERM)
+    deployment.wait_trigger(dag, run_id, "train", timeout=180, not_on=before)
+    assert supervisor.is_running()
+    (gate / "release").touch()
+
+    final = deployment.wait_run(dag, run_id, timeout=240)
+    assert final["state"] == "success", deployment.run_report(dag, run_id)
+    assert deployment.xcom(dag, run_id, "check") == {"trained": True, "world": 2}
+    for rank in (0, 1):
+        assert len((gate / f"started-{rank}").read_text().splitlines()) == 1
+
+
+def test_a_retry_without_the_record_is_refused_by_the_live_runs_checkpoint_lock(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    gate = _gate(tmp_path)
+    dag = "lifetime_locked"
+    run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
+    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    task = deployment.task_pid(dag, run_id, "train")
+    supervisor = _supervisor_of(task)
+    staging = Path(supervisor.cmdline()[-1])
+    tree = _run_tree(supervisor, gate)
+    os.kill(task, signal.SIGKILL)
+    # The record is lost (deleted through the REST API): the retry cannot know of the live run.
+    deployment.call("DELETE", f"{deployment.ti_path(dag, run_id, 'train')}/state-store/torchdist_run")
+
+    final = deployment.wait_run(dag, run_id, timeout=240)
+    assert final["state"] == "failed"
+    ti = deployment.task_instance(dag, run_id, "train")
+    assert ti["try_number"] == 2, ti
+    log = deployment.task_log(dag, run_id, "train", 2)
+    assert "another run of this task is live" in log and f"pid {supervisor.pid}" in log, log[-3000:]
+    # Trained once: the live run, never a second copy beside it.
+    for rank in (0, 1):
+        assert len((gate / f"started-{rank}").read_text().splitlines()) == 1
+    assert supervisor.is_running()
+
+    supervisor.terminate()  # the run this test started: its supervisor's own teardown, by PID
+    stopped = time.monotonic()
+    while _alive(tree) or staging.exists():
+        assert time.monotonic() - stopped < 15, f"15 s after SIGTERM: left {_alive(tree)}"
         time.sleep(0.2)

@@ -282,11 +282,38 @@ def test_status_round_trips_and_is_checked_strictly():
         {"output": {"format": "json", "type": "int", "size": -1, "sha256": "0" * 64}},
         {"metrics": [1]},
         {"app_id": ""},
+        {"error_kind": "oops"},
+        {"error_kind": ["training"]},
     ):
         with pytest.raises(MalformedMessage):
             RunStatus.from_dict({**status.to_dict(), **bad})
     with pytest.raises(MalformedMessage, match="missing \\['last_seq'\\]"):
         RunStatus.from_dict({k: v for k, v in status.to_dict().items() if k != "last_seq"})
+
+
+def test_a_failed_run_says_whether_training_or_the_run_around_it_failed():
+    from airflow_provider_torchdist.errors import SparkSubmitFailed, TrainingFailed
+    from airflow_provider_torchdist.run_owner import raise_for_failure
+
+    training = RunState()
+    training.finish("failed", error="rendezvous timed out", error_kind="training")
+    run = RunState()
+    run.finish("failed", error="spark-submit exited with 1")
+    done = RunState()
+    done.finish("succeeded")
+    assert (training.status().error_kind, run.status().error_kind, done.status().error_kind) == (
+        "training",
+        "run",
+        None,
+    )
+    # As hook.run() raises them: a failed outcome without rank failures is still TrainingFailed.
+    with pytest.raises(TrainingFailed, match="rendezvous timed out"):
+        raise_for_failure(training.status())
+    with pytest.raises(SparkSubmitFailed, match="spark-submit exited with 1"):
+        raise_for_failure(run.status())
+    raise_for_failure(done.status())
+    with pytest.raises(ValueError, match="error_kind"):
+        RunState().finish("failed", error_kind="mystery")
 
 
 def test_a_status_stays_under_the_line_limit():

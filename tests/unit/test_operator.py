@@ -285,3 +285,19 @@ def test_make_hook_with_a_context_uses_the_tasks_checkpoint_dir():
     assert op.make_hook().spec.checkpoint_dir is None
     assert op.make_hook({"ti": ti}).spec.checkpoint_dir == op.default_checkpoint_dir({"ti": ti})
     assert _op(checkpoint_dir="/ckpt").make_hook({"ti": ti}).spec.checkpoint_dir == "/ckpt"
+
+
+@pytest.mark.parametrize("state, stopped", [("error", True), ("gone", False)])
+def test_execute_complete_after_a_failed_wait_fails_and_stops_a_run_still_there(monkeypatch, state, stopped):
+    from airflow_provider_torchdist.errors import SparkSubmitFailed
+    from airflow_provider_torchdist.operators import torch_distributor as operator_module
+    from airflow_provider_torchdist.run_record import RunRecord
+
+    record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
+    ended: list[RunRecord] = []
+    monkeypatch.setattr(operator_module, "end_run", ended.append)
+    event = {"state": state, "message": "the trigger failed: boom", "record": record.to_dict()}
+    with pytest.raises(SparkSubmitFailed, match="the trigger failed: boom" if state == "error" else "boom"):
+        _op().execute_complete({"ti": FakeTI()}, event)
+    # An error leaves a live run nobody comes back for: stopped. A gone run has nothing to stop.
+    assert ended == ([record] if stopped else [])

@@ -322,6 +322,17 @@ def test_refused_credential_is_an_error_at_once(lifeline: type[FakeLifeline], sl
     assert len(lifeline.connects) == 1 and sleeps == []
 
 
+def test_an_unexpected_failure_is_an_error_event_with_the_record(lifeline: type[FakeLifeline]) -> None:
+    # Not a bare traceback: the task gets the record back and stops the run (execute_complete).
+    lifeline.script = [FakeConnection(status("running"), [RuntimeError("decoder bug")])]
+
+    events = events_of(TorchDistributorTrigger(make_record()))
+
+    assert [e["state"] for e in events] == ["error"]
+    assert "RuntimeError: decoder bug" in events[0]["message"]
+    assert events[0]["record"] == make_record()
+
+
 def test_no_signing_key_is_an_error(lifeline: type[FakeLifeline], monkeypatch: pytest.MonkeyPatch) -> None:
     def no_key(run_id: str) -> bytes:
         raise ValueError("The output signing key has 3 bytes; it needs at least 32.")

@@ -18,7 +18,10 @@ The DAGs, all ``num_processes=2`` on the embedded Spark master in distributed mo
 - ``lifetime_no_owner``: ``durable=True``, no retry, ``reattach_timeout`` from the conf
   (``{"reattach_timeout": 5}``): nobody comes back, the run tears itself down;
 - ``lifetime_deferrable``: ``deferrable=True``: the triggerer waits for the run; ``check`` reads
-  the result.
+  the result;
+- ``lifetime_locked``: ``durable=True``, one retry, ``reattach_timeout`` from the conf (default
+  120): the test deletes the run's record between the tries, so the retry submits afresh beside
+  the live run and must be refused by the checkpoint lock.
 """
 
 from __future__ import annotations
@@ -104,7 +107,18 @@ def lifetime_deferrable():
     check(trained.output)
 
 
+@dag(dag_id="lifetime_locked", schedule=None, start_date=START, catchup=False, tags=["torchdist-test"])
+def lifetime_locked():
+    gated_training(
+        durable=True,
+        reattach_timeout="{{ dag_run.conf.get('reattach_timeout', 120) }}",
+        retries=1,
+        retry_delay=timedelta(seconds=1),
+    )
+
+
 lifetime_nondurable()
 lifetime_durable()
 lifetime_no_owner()
 lifetime_deferrable()
+lifetime_locked()
