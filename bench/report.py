@@ -357,8 +357,8 @@ def _reattach(sec: dict[str, Any]) -> list[str]:
         "",
         "`python bench/reattach.py`: the process owning a durable distributed run is SIGKILLed while both ranks "
         "train; a fresh interpreter (as a retried task is) imports the hook, reads the run's record and follows "
-        "the run. Measured from the kill to the first replayed log line reaching the new owner. Baseline: a "
-        "fresh interpreter that only imports the hook. Airflow's own part of a retry (noticing the dead try, "
+        "the run. Measured from the kill to the first replayed log line reaching the new owner. Baseline: "
+        "spawning a fresh interpreter until it has imported the hook. Airflow's own part of a retry (noticing the dead try, "
         "`retry_delay`, starting the next try) comes on top.",
         "",
     ]
