@@ -5,8 +5,9 @@ Spark's classes come memory-mapped and verified from a per-user archive the firs
 saves about 2 s of each launch (``bench/launch.py --fast-start``; docs/benchmarks.md).
 
 Two earlier accelerations were measured again and removed, each saving less than the 0.5 s that
-justifies a trick on the main path: ``SPARK_HOME`` for pip's ``spark-submit`` (0.03 s) and the
-driver's ``os._exit`` without interpreter teardown (0.1 s distributed, 0.4 s local).
+justifies a trick on the main path (``bench/launch.py --fast-start``, 5 rounds, paired medians):
+``SPARK_HOME`` for pip's ``spark-submit`` (-0.07 s, i.e. nothing) and the driver's ``os._exit``
+without interpreter teardown (-0.35 s, within the spread).
 
 ``fast_jvm_start=False`` turns it off: Spark's own defaults. Nothing changes on YARN or Kubernetes,
 where ``spark-submit``'s environment is not the driver's.

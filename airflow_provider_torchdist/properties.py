@@ -10,11 +10,11 @@ pair the command would have carried.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+
+from airflow_provider_torchdist.spark.private_files import write_private_text
 
 _WHITESPACE = " \t\f"
 _UNESCAPE = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
@@ -141,21 +141,6 @@ def format_properties(props: Mapping[str, str]) -> str:
 def write_private_properties(path: str | os.PathLike[str], props: Mapping[str, str]) -> None:
     """Write ``props`` to ``path`` in a file only its owner can read (:func:`write_private_text`)."""
     write_private_text(path, format_properties(props), encoding="ascii")
-
-
-def write_private_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
-    """Write ``text`` to ``path`` in a file only its owner can read: created 0600 under a temporary
-    name beside it, then renamed over whatever was there, so no reader sees half a file."""
-    target = Path(path)
-    fd, part = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "w", encoding=encoding) as f:
-            f.write(text)
-        os.replace(part, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(part)
-        raise
 
 
 def spark_defaults_file(environ: Mapping[str, str], spark_home: str | None) -> Path | None:

@@ -42,9 +42,7 @@ class RunFollower:
     ) -> None:
         self._dir = staging_dir
         self._token = owner_token
-        self._on_line = on_line
-        self._on_application = on_application
-        self._on_metric = on_metric
+        self._on_line, self._on_application, self._on_metric = on_line, on_application, on_metric
         self._stopping = threading.Event()
         self._client: OwnerClient | None = None
         self._lock = threading.Lock()

@@ -22,13 +22,16 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
 from airflow_provider_torchdist.lifeline import (
+    AppEvent,
+    DoneEvent,
     LifelineError,
+    LineEvent,
     OwnerConnection,
     RunGone,
     RunStatus,
@@ -41,7 +44,7 @@ from airflow_provider_torchdist.spark.events import emit
 from airflow_provider_torchdist.spark.outcome import RankFailure
 from airflow_provider_torchdist.staging import StagedRun
 from airflow_provider_torchdist.submit_plan import SubmitPlan
-from airflow_provider_torchdist.supervisor import ERROR_FILE, LOG_FILE, PLAN_FILE
+from airflow_provider_torchdist.supervisor_config import ERROR_FILE, LOG_FILE, PLAN_FILE
 from airflow_provider_torchdist.sweep import ADDRESS_FILE, SUPERVISOR_FILE, SUPERVISOR_MODULE
 
 #: How long the task waits for its supervisor to listen (it imports, locks, binds: about a second).
@@ -49,6 +52,16 @@ START_TIMEOUT_S = 60.0
 #: The states of a run a new owner can still take over; "gone" is a run whose supervisor is not there.
 ACTIVE_STATES = ("starting", "running")
 GONE = "gone"
+
+
+def lifeline_host() -> str:
+    """Where a supervisor listens for its owners: ``[torchdist] lifeline_host``, default 127.0.0.1.
+
+    A deferred run's trigger connects from the triggerer: when that runs on another machine than
+    the workers, set it to an address of the worker that the triggerer can reach."""
+    from airflow.configuration import conf
+
+    return conf.get("torchdist", "lifeline_host", fallback="127.0.0.1") or "127.0.0.1"
 
 
 def start_supervisor(
@@ -156,6 +169,29 @@ def connect_owner(record: RunRecord, *, kind: str = "task", since: int = 0) -> O
     )
 
 
+def follow_to_end(
+    owner: OwnerConnection,
+    run_id: str,
+    *,
+    on_line: Callable[[str], None],
+    on_application: Callable[[str, str | None], None],
+) -> RunStatus:
+    """Read the run's events as its owner until it ends: its log lines to ``on_line``, its
+    application to ``on_application``; returns its final status. Raises :class:`SparkSubmitFailed`
+    when the lifeline ends without one."""
+    status = None
+    for event in owner.events():
+        if isinstance(event, LineEvent):
+            on_line(event.text)
+        elif isinstance(event, AppEvent):
+            on_application(event.app_id, event.ui_url)
+        elif isinstance(event, DoneEvent):
+            status = event.status
+    if status is None:
+        raise SparkSubmitFailed(f"The lifeline of run {run_id} ended without the run's outcome.")
+    return status
+
+
 def run_state(record: RunRecord) -> str:
     """The run's state as its supervisor reports it, or ``"gone"`` when no supervisor answers.
 
@@ -225,6 +261,8 @@ __all__ = [
     "RunGone",
     "connect_owner",
     "end_run",
+    "follow_to_end",
+    "lifeline_host",
     "raise_for_failure",
     "run_state",
     "start_supervisor",

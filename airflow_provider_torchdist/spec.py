@@ -137,8 +137,8 @@ class TrainingSpec:
     )
     fast_jvm_start: bool = setting(
         True,
-        "start the driver faster: a per-user class-data archive of Spark's classes, the C1 compiler "
-        "only, and a driver that exits without interpreter teardown. ``False``: Spark's own defaults.",
+        "start the driver faster: a per-user class-data archive of Spark's classes and the C1 "
+        "compiler only. ``False``: Spark's own defaults.",
         scope=SUBMIT,
         check="bool",
     )

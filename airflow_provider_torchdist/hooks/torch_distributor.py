@@ -5,82 +5,52 @@ runs the checks that can fail before anything starts (:mod:`~airflow_provider_to
 stages the work (:mod:`~airflow_provider_torchdist.staging`), turns all of it into a plain
 :class:`~airflow_provider_torchdist.submit_plan.SubmitPlan`, and runs that through
 ``SparkSubmitHook``'s public constructor and ``submit()``.
+
+Its pieces live beside it: its arguments (:mod:`~airflow_provider_torchdist.hook_arguments`), the
+checks, staging and plan (:mod:`~airflow_provider_torchdist.run_prepare`), the in-process run
+(:mod:`~airflow_provider_torchdist.in_process`) and the supervised one
+(:mod:`~airflow_provider_torchdist.run_owner`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
-import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from airflow.providers.common.compat.sdk import AirflowException, BaseHook
+from airflow.providers.common.compat.sdk import BaseHook
 
 from airflow_provider_torchdist.connection import CONN_TYPE, SparkTarget, resolve_target
-from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
-from airflow_provider_torchdist.fast_start import FastStart, plan_fast_start
-from airflow_provider_torchdist.lifeline import AppEvent, DoneEvent, LifelineError, LineEvent, OwnerConnection
+from airflow_provider_torchdist.fast_start import FastStart
+from airflow_provider_torchdist.hook_arguments import HOOK_SETTINGS, hook_signature, spec_from_arguments
+from airflow_provider_torchdist.in_process import end_submission, raise_for_outcome, submit_and_follow
+from airflow_provider_torchdist.lifeline import LifelineError, OwnerConnection
 from airflow_provider_torchdist.masking import mask_setting_secrets
-from airflow_provider_torchdist.preflight import (
-    check_checkpoint_dir,
-    check_cluster_capacity,
-    check_gpu_conf,
-    check_master_reachable,
-    check_spark_binary,
+from airflow_provider_torchdist.run_owner import (
+    connect_owner,
+    end_run,
+    follow_to_end,
+    lifeline_host,
+    raise_for_failure,
+    start_supervisor,
 )
-from airflow_provider_torchdist.processes import end_session
-from airflow_provider_torchdist.run_follower import RunFollower
-from airflow_provider_torchdist.run_owner import connect_owner, end_run, raise_for_failure, start_supervisor
+from airflow_provider_torchdist.run_prepare import check_and_stage, plan_staged
 from airflow_provider_torchdist.run_record import RunRecord
-from airflow_provider_torchdist.settings_checks import build_spec
-from airflow_provider_torchdist.spark.checkpoints import CHECKPOINT_ENV
 from airflow_provider_torchdist.spark.events import emit
-from airflow_provider_torchdist.spark.outcome import Outcome
 from airflow_provider_torchdist.spark.output_store import read_output
-from airflow_provider_torchdist.spark.owner import write_owner_token
 from airflow_provider_torchdist.spec import (
     DEFAULT_CONN_ID,
     DEFAULT_REATTACH_TIMEOUT,
-    OWNER,
-    RUN,
-    SETTINGS,
-    SUBMIT,
-    XCOM,
     TrainingSpec,
     documented,
-    settings_for,
-    signature_of,
 )
-from airflow_provider_torchdist.staging import StagedRun, stage_run
-from airflow_provider_torchdist.submit_plan import (
-    Submission,
-    SubmitPlan,
-    build_plan,
-    spark_home,
-    spark_properties,
-    submit_environment,
-)
-from airflow_provider_torchdist.validation import check_args, check_deploy_mode
+from airflow_provider_torchdist.staging import StagedRun
+from airflow_provider_torchdist.submit_plan import Submission, SubmitPlan
+from airflow_provider_torchdist.validation import check_deploy_mode
 
 T = TypeVar("T")
-
-
-def lifeline_host() -> str:
-    """Where a supervisor listens for its owners: ``[torchdist] lifeline_host``, default 127.0.0.1.
-
-    A deferred run's trigger connects from the triggerer: when that runs on another machine than
-    the workers, set it to an address of the worker that the triggerer can reach."""
-    from airflow.configuration import conf
-
-    return conf.get("torchdist", "lifeline_host", fallback="127.0.0.1") or "127.0.0.1"
-
-
-#: The settings the hook takes (the operator's less how outputs travel through XCom).
-HOOK_SETTINGS = settings_for(RUN, SUBMIT)
-_POSITIONAL = ("num_processes", "local_mode", "use_gpu")
 
 
 @documented([n for n in HOOK_SETTINGS if n != "spark_submit_kwargs"])
@@ -119,23 +89,7 @@ class TorchDistributorHook(BaseHook):
     ) -> None:
         super().__init__()
         if spec is None:
-            operator_only = sorted(set(settings) & set(settings_for(XCOM)))
-            if operator_only:
-                raise InvalidTrainingConfig(
-                    f"{', '.join(operator_only)} say(s) how the operator puts rank 0's value in XCom; "
-                    "the hook returns the value itself. Pass it to TorchDistributorOperator instead."
-                )
-            lifetime = sorted(set(settings) & set(settings_for(OWNER)))
-            if lifetime:
-                raise InvalidTrainingConfig(
-                    f"{', '.join(lifetime)} say(s) how long a run lives apart from its Airflow task: "
-                    "settings of TorchDistributorOperator. The hook's run() trains in this process; "
-                    "for a detached run use hook.start_run(..., durable=..., reattach_timeout=...)."
-                )
-            given = {"num_processes": num_processes, "local_mode": local_mode, "use_gpu": use_gpu}
-            submit_kwargs = {k: settings.pop(k) for k in list(settings) if k not in SETTINGS}
-            submit_kwargs.update(settings.pop("spark_submit_kwargs", None) or {})
-            spec = build_spec(**given, **settings, spark_submit_kwargs=submit_kwargs)
+            spec = spec_from_arguments(num_processes, local_mode, use_gpu, settings)
         self.spec = spec
         # Airflow then redacts them from every log line and error.
         for values in (spec.conf, spec.rank_env, spec.env_vars):
@@ -158,20 +112,7 @@ class TorchDistributorHook(BaseHook):
         self._owner: OwnerConnection | None = None
         self._fast: FastStart | None = None
 
-    __init__.__signature__ = signature_of(  # type: ignore[attr-defined]
-        [n for n in HOOK_SETTINGS if n not in _POSITIONAL and n != "spark_submit_kwargs"],
-        leading=[
-            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-            *(
-                inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=SETTINGS[n].default)
-                for n in _POSITIONAL
-            ),
-        ],
-        trailing=[
-            inspect.Parameter("spec", inspect.Parameter.KEYWORD_ONLY, default=None),
-            inspect.Parameter("spark_submit_kwargs", inspect.Parameter.VAR_KEYWORD),
-        ],
-    )
+    __init__.__signature__ = hook_signature()  # type: ignore[attr-defined]
 
     @property
     def embedded(self) -> bool:
@@ -222,42 +163,11 @@ class TorchDistributorHook(BaseHook):
         """Every check that can fail before anything starts, then the staged work and its plan
         (``self.staged``, ``self.plan``); the caller owns the staging directory from here."""
         emit("hook_start")
-        spec, target = self.spec, self.target
-        environ = {**os.environ, **submit_environment(spec, target, {})}
-        props = spark_properties(spec, target, spark_home(target, environ), environ)
-        check_gpu_conf(spec, target, props)
-        env = submit_environment(spec, target, props)
-        check_spark_binary(target.spark_binary, {**os.environ, **env}.get("PATH"))
-        check_master_reachable(target.master, spec.conn_id)
-        check_checkpoint_dir(spec.checkpoint_dir)
-        slot_timeout = check_cluster_capacity(spec, target, self.log)
-        rank_env = dict(spec.rank_env)
-        if spec.checkpoint_dir:
-            rank_env[CHECKPOINT_ENV] = str(spec.checkpoint_dir)
-        staged = stage_run(
-            train_object,
-            check_args(args, "args", list),
-            check_args(kwargs, "kwargs", dict),
-            base_dir=spec.staging_dir,
-            training=spec,
-            slot_timeout=slot_timeout,
-            rank_env=rank_env,
-        )
+        staged, props, env = check_and_stage(self.spec, self.target, self.log, train_object, args, kwargs)
         self.staged = staged
         emit("staged")
         try:
-            fast = plan_fast_start(spec, target, {**os.environ, **env}, props)
-            self.plan = build_plan(
-                spec,
-                target,
-                application=str(staged.driver_path),
-                application_args=[str(staged.spec_path)],
-                files=staged.files,
-                py_files=[staged.py_files],
-                properties=props,
-                properties_dir=staged.dir,
-                env={**env, **fast.env},
-            )
+            fast, self.plan = plan_staged(self.spec, self.target, staged, props, env)
         except BaseException:
             staged.cleanup()
             self.staged = None
@@ -319,18 +229,12 @@ class TorchDistributorHook(BaseHook):
             owner = connect_owner(record, since=since)
         self._owner, self.record = owner, record
         try:
-            status = None
-            for event in owner.events():
-                if isinstance(event, LineEvent):
-                    self.log.info("%s", event.text)
-                elif isinstance(event, AppEvent):
-                    self._application_started(event.app_id, event.ui_url)
-                elif isinstance(event, DoneEvent):
-                    status = event.status
-            if status is None:
-                raise SparkSubmitFailed(
-                    f"The lifeline of run {record.run_id} ended without the run's outcome."
-                )
+            status = follow_to_end(
+                owner,
+                record.run_id,
+                on_line=lambda text: self.log.info("%s", text),
+                on_application=self._application_started,
+            )
             self.metrics = list(status.metrics)
             if self._fast is not None:
                 self._fast.finish()
@@ -347,33 +251,12 @@ class TorchDistributorHook(BaseHook):
             owner.close()
 
     def _submit(self, plan: SubmitPlan, staged: StagedRun) -> None:
-        submit_error: AirflowException | None = None
         self.submission = Submission(plan)
-        follower = RunFollower(
-            staged.dir,
-            write_owner_token(staged.dir),
-            on_line=self.log.info,
-            on_application=self._application_started,
-            on_metric=lambda record: None,  # the complete history comes with the outcome
+        outcome, submit_error = submit_and_follow(
+            self.submission, staged, on_line=self.log.info, on_application=self._application_started
         )
-        follower.start()
-        try:
-            self.submission.run()
-        except AirflowException as exc:
-            submit_error = exc
-        finally:
-            follower.stop()
-        outcome = Outcome.read(staged.dir)
-        emit("outcome_read")
         self.metrics = outcome.metrics if outcome else []
-        if outcome is None:
-            raise SparkSubmitFailed(
-                f"The Spark application ended before the training driver reported an outcome: {submit_error}"
-            ) from submit_error
-        if not outcome.ok:
-            raise TrainingFailed(outcome.failures, outcome.error)
-        if staged.spec.kind == "callable" and not staged.output_path.exists():
-            raise SparkSubmitFailed("Training succeeded but rank 0's return value never reached the driver.")
+        raise_for_outcome(outcome, submit_error, staged)
 
     def _application_started(self, app_id: str, ui_url: str | None) -> None:
         """The driver's SparkContext is up: note it, and tell the operator (the extra links)."""
@@ -388,11 +271,8 @@ class TorchDistributorHook(BaseHook):
     # -- stopping -----------------------------------------------------------------------------
 
     def _stop_session(self, grace: float = 5.0) -> None:
-        """End whatever is left of spark-submit's session: JVM, Python driver, Spark's Python daemon
-        and workers (which move to process groups of their own, but stay in the session), local ranks."""
-        if self.submission is not None and self.submission.session is not None:
-            end_session(self.submission.session, grace)
-        emit("session_ended")
+        """End whatever is left of spark-submit's session (:func:`end_submission`)."""
+        end_submission(self.submission, grace)
 
     def on_kill(self) -> None:
         """Stop the Spark application and every process of the run (Airflow's kill or timeout).

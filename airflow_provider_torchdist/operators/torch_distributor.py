@@ -19,16 +19,11 @@ from airflow.providers.common.compat.sdk import conf as airflow_conf
 from airflow_provider_torchdist import run_paths
 from airflow_provider_torchdist.errors import SparkSubmitFailed
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
-from airflow_provider_torchdist.links import (
-    SPARK_MASTER_APP_XCOM_KEY,
-    SPARK_UI_XCOM_KEY,
-    SparkMasterAppLink,
-    SparkUILink,
-)
+from airflow_provider_torchdist.links import SparkMasterAppLink, SparkUILink
 from airflow_provider_torchdist.preflight import check_output_path
-from airflow_provider_torchdist.results import origin_of, output_to_xcom
 from airflow_provider_torchdist.run_owner import ACTIVE_STATES, check_deferral, end_run, run_state
 from airflow_provider_torchdist.run_record import RECORD_KEY, RunRecord
+from airflow_provider_torchdist.run_xcom import link_pusher, output_handler
 from airflow_provider_torchdist.settings_checks import build_spec, check_settings
 from airflow_provider_torchdist.spec import (
     SETTINGS,
@@ -268,28 +263,9 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         hook = self._hook
         assert hook is not None
         ti = context["ti"]
-
-        def push_links(app_id: str, ui: str | None, master_page: str | None) -> None:
-            # Pushed while the run goes on, so the extra links work before the task ends.
-            if ui:
-                ti.xcom_push(key=SPARK_UI_XCOM_KEY, value=ui)
-            if master_page:
-                ti.xcom_push(key=SPARK_MASTER_APP_XCOM_KEY, value=master_page)
-
-        hook.on_application = push_links
-        spec = hook.spec
-        store_uri = run_paths.output_uri(spec.output_path, ti)
+        hook.on_application = link_pusher(ti)
         try:
-            return hook.follow(
-                record,
-                lambda path: output_to_xcom(
-                    path,
-                    origin=origin_of(ti),
-                    max_inline_bytes=spec.max_xcom_output_bytes,
-                    store_uri=store_uri,
-                    store_base=run_paths.output_base(spec.output_path),
-                ),
-            )
+            return hook.follow(record, output_handler(ti, hook.spec))
         finally:
             # The metric history is worth having after a failure too (the last loss before it).
             if hook.metrics:

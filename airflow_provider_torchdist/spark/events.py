@@ -61,7 +61,7 @@ PHASES: dict[str, tuple[str, str]] = {
     "channel_closed": ("driver", "the run channel is closed"),
     "spark_stop": ("driver", "SparkContext.stop begins"),
     "spark_stopped": ("driver", "SparkContext.stop returned"),
-    "driver_exit": ("driver", "the outcome is written; the driver exits (fields: code, fast)"),
+    "driver_exit": ("driver", "the outcome is written; the driver exits (field: code)"),
     "spark_submit_end": ("hook", "spark-submit has exited"),
     "outcome_read": ("hook", "the follower has stopped and the outcome is read"),
     "session_ended": ("hook", "what was left of spark-submit's session is ended"),
@@ -96,8 +96,8 @@ def emit(phase: str, **fields: Any) -> None:
         return  # an event is never worth failing a run for
 
 
-#: A benchmarking knob, not a setting: ``TORCHDIST_FAST_START_OFF=jvm,spark_home,exit`` switches
-#: single start-up accelerations off in a run that has ``fast_jvm_start`` on (see ``fast_start.py``).
+#: A benchmarking knob, not a setting: ``TORCHDIST_FAST_START_OFF=jvm`` (or ``all``) switches the
+#: start-up acceleration off in a run that has ``fast_jvm_start`` on (see ``fast_start.py``).
 FAST_START_OFF_ENV = "TORCHDIST_FAST_START_OFF"
 FAST_START_PARTS = ("jvm",)
 

@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import queue
 import secrets
 import socket
-import tempfile
 import threading
 import time
 from collections import deque
@@ -44,6 +42,7 @@ from airflow_provider_torchdist.spark.channel_auth import (
     send_json,
 )
 from airflow_provider_torchdist.spark.jobspec import CHANNEL_FILE, OWNER_TOKEN_FILE
+from airflow_provider_torchdist.spark.private_files import write_private_text
 from airflow_provider_torchdist.spark.protocol import (
     Application,
     LogLine,
@@ -66,7 +65,7 @@ OWNER_SEND_TIMEOUT_S = 30.0
 def write_owner_token(staging_dir: str | Path) -> str:
     """The hook's side: make a fresh owner token and write it for the driver (0600); returns it."""
     token = secrets.token_urlsafe(32)
-    _write_private(Path(staging_dir) / OWNER_TOKEN_FILE, token)
+    write_private_text(Path(staging_dir) / OWNER_TOKEN_FILE, token)
     return token
 
 
@@ -81,7 +80,7 @@ def read_owner_token(staging_dir: str | Path) -> str | None:
 
 def write_channel_address(staging_dir: str | Path, address: tuple[str, int]) -> Path:
     """The driver's side: where its channel listens, as ``channel.json`` (atomic, 0600)."""
-    return _write_private(
+    return write_private_text(
         Path(staging_dir) / CHANNEL_FILE, json.dumps({"host": address[0], "port": address[1]})
     )
 
@@ -93,20 +92,6 @@ def read_channel_address(staging_dir: str | Path) -> tuple[str, int] | None:
         return str(data["host"]), int(data["port"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def _write_private(path: Path, text: str) -> Path:
-    # A temporary name in the same directory, renamed: a reader never sees half a file.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # mode 0600
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 class OwnerClient:

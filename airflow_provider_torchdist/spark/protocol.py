@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from airflow_provider_torchdist.spark.json_lines import json_object
 from airflow_provider_torchdist.spark.outcome import RankFailure
 
 
@@ -69,11 +70,7 @@ class Message:
 
 _STR, _INT, _NUMBER = (str,), (int,), (int, float)
 #: What an output's header says of its bytes; the output store checks the values.
-_META_SCHEMA = (
-    ("format", "format", _STR, True),
-    ("type", "type", _STR, True),
-    ("sha256", "sha256", _STR, True),
-)
+_META_SCHEMA = tuple((name, name, _STR, True) for name in ("format", "type", "sha256"))
 _FAILURE_INTS = ("rank", "local_rank", "exitcode")
 _FAILURE_FIELDS = tuple(f.name for f in dataclasses.fields(RankFailure))
 #: The fields of a :class:`RankFailure` that a rank reports about its own exception.
@@ -290,12 +287,7 @@ def encode(msg: Message) -> bytes:
 
 def decode(raw: bytes | str) -> Message:
     """The message in one JSON line; raises :class:`ProtocolError` for anything malformed."""
-    try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise ProtocolError(f"not a JSON message: {exc}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"a message must be a JSON object, got {type(obj).__name__}")
+    obj = json_object(raw, ProtocolError)
     kind = obj.get("k")
     cls = _KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:

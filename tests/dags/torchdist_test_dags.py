@@ -147,6 +147,18 @@ def timeout():
     )
 
 
+@dag(dag_id="torchdist_e2e_bad_submit", schedule=None, start_date=START, catchup=False)
+def bad_submit():
+    # spark-submit's JVM cannot start: its own error must reach the task log (supervised path).
+    TorchDistributorOperator(
+        task_id="train",
+        train_object=big_output,
+        num_processes=2,
+        local_mode=True,
+        conf={"spark.driver.memory": "lots"},
+    )
+
+
 @dag(dag_id="torchdist_e2e_large_output", schedule=None, start_date=START, catchup=False)
 def large_output():
     trained = TorchDistributorOperator(
@@ -172,3 +184,4 @@ def large_output():
 retry_resume()
 timeout()
 large_output()
+bad_submit()

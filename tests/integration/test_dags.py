@@ -22,6 +22,7 @@ DAG_IDS = [
     "torchdist_e2e_retry_resume",
     "torchdist_e2e_timeout",
     "torchdist_e2e_large_output",
+    "torchdist_e2e_bad_submit",
 ]
 
 
@@ -99,6 +100,14 @@ def test_failing_rank_fails_the_task_with_its_error(dag_runs: tuple[dict, Path, 
         )
     assert rows["train"] == "failed"
     assert rows["evaluate"] == "upstream_failed"
+
+
+def test_spark_submits_own_error_reaches_the_task_log(dag_runs: tuple[dict, Path, str]) -> None:
+    # The operator's run is supervised: spark-submit's output is the supervisor's, and must still
+    # reach the task's log (not only a supervisor log that goes with the staging directory).
+    states, _, output = dag_runs
+    assert states["torchdist_e2e_bad_submit"]["state"] == "failed"
+    assert "Invalid maximum heap size: -Xmxlots" in output, output[-5000:]
 
 
 def _task_tries(db: Path, dag_id: str) -> dict[str, tuple[str, int]]:

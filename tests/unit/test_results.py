@@ -9,6 +9,7 @@ import io
 import json
 import math
 import os
+import pickle
 import stat
 from collections import OrderedDict
 from pathlib import Path
@@ -366,10 +367,11 @@ def test_directories_made_below_output_path_are_0700(tmp_path) -> None:
         assert stat.S_IMODE(d.stat().st_mode) == 0o700
 
 
-def test_large_output_is_never_unpickled_on_the_airflow_side(tmp_path) -> None:
-    src = tmp_path / "staging" / OUTPUT_FILE
+def _staged_non_pickle(tmp_path: Path, name: str) -> tuple[Path, bytes]:
+    """A staged output whose manifest says cloudpickle but whose bytes would raise if unpickled."""
+    src = tmp_path / name / OUTPUT_FILE
     src.parent.mkdir()
-    data = b"\x80\x05 not a pickle at all " * 100  # would raise if anything unpickled it
+    data = b"\x80\x05 not a pickle at all " * 100
     src.write_bytes(data)
     st = src.stat()
     manifest = {
@@ -382,16 +384,30 @@ def test_large_output_is_never_unpickled_on_the_airflow_side(tmp_path) -> None:
         "generation": "0.0",
     }
     src.with_name(OUTPUT_FILE + MANIFEST_SUFFIX).write_text(json.dumps(manifest))
-    ref = _store(src, tmp_path, "out.pkl")
-    assert ref["size"] == 2300 and ref["type"] == "dict"
-    small = (
-        output_to_xcom(  # inline, too: signed as bytes, not loaded
-            tmp_path / "store/out.pkl", origin=ORIGIN, max_inline_bytes=10**6, store_uri="file:///unused"
-        )
-        if False
-        else None
+    return src, data
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["by-reference", "inline"])
+def test_an_output_is_never_unpickled_on_the_airflow_side(tmp_path, monkeypatch, inline) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Airflow side unpickled an output")
+
+    monkeypatch.setattr(cloudpickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    src, data = _staged_non_pickle(tmp_path, "staging")
+    value = output_to_xcom(
+        src,
+        origin=ORIGIN,
+        max_inline_bytes=10**6 if inline else 1024,
+        store_uri=f"file://{tmp_path}/store/out.pkl",
     )
-    assert small is None
+    # Signed as the bytes they are: inline as base64, or by reference to the stored file.
+    assert (value["size"], value["type"]) == (len(data), "dict")
+    assert output_origin(value) == ORIGIN
+    if inline:
+        assert base64.b64decode(value["data"]) == data and "ref" not in value
+    else:
+        assert (tmp_path / "store/out.pkl").read_bytes() == data and "data" not in value
 
 
 @pytest.mark.parametrize(

@@ -609,3 +609,20 @@ def test_sigterm_tears_the_detached_supervisor_down(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_the_supervisors_log_lines_reach_its_owners_escaped_without_the_drivers_own() -> None:
+    import structlog
+
+    from airflow_provider_torchdist.supervised_run import forward_logs
+
+    saved = structlog.get_config()
+    lines: list[str] = []
+    try:
+        forward_logs(lines.append)
+        log = structlog.get_logger("airflow.providers.apache.spark.hooks.spark_submit.SparkSubmitHook")
+        log.info("Exception in thread main: bad \x1b[2J conf")
+        log.info("[torchdist] training finished on all ranks")  # on the run channel already
+    finally:
+        structlog.configure(**saved)
+    assert lines == ["Exception in thread main: bad \\x1b[2J conf"]

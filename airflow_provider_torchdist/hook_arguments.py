@@ -1,0 +1,75 @@
+"""How :class:`~airflow_provider_torchdist.hooks.torch_distributor.TorchDistributorHook` takes its
+settings: which ones, its constructor's signature, and the spec it builds from its arguments.
+
+The hook takes the settings of :class:`~airflow_provider_torchdist.spec.TrainingSpec` that the
+run and spark-submit use (not how the operator puts outputs in XCom, nor how long a run lives apart
+from its task), ``num_processes``, ``local_mode`` and ``use_gpu`` also positionally, and any other
+keyword as a ``SparkSubmitHook`` argument.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from airflow_provider_torchdist.errors import InvalidTrainingConfig
+from airflow_provider_torchdist.settings_checks import build_spec
+from airflow_provider_torchdist.spec import (
+    OWNER,
+    RUN,
+    SETTINGS,
+    SUBMIT,
+    XCOM,
+    TrainingSpec,
+    settings_for,
+    signature_of,
+)
+
+#: The settings the hook takes (the operator's less how outputs travel through XCom).
+HOOK_SETTINGS = settings_for(RUN, SUBMIT)
+#: The settings the hook also takes positionally, in this order.
+POSITIONAL = ("num_processes", "local_mode", "use_gpu")
+
+
+def hook_signature() -> inspect.Signature:
+    """The hook constructor's signature: the positional settings, every other hook setting as a
+    keyword, ``spec``, and ``**spark_submit_kwargs``."""
+    return signature_of(
+        [n for n in HOOK_SETTINGS if n not in POSITIONAL and n != "spark_submit_kwargs"],
+        leading=[
+            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            *(
+                inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=SETTINGS[n].default)
+                for n in POSITIONAL
+            ),
+        ],
+        trailing=[
+            inspect.Parameter("spec", inspect.Parameter.KEYWORD_ONLY, default=None),
+            inspect.Parameter("spark_submit_kwargs", inspect.Parameter.VAR_KEYWORD),
+        ],
+    )
+
+
+def spec_from_arguments(
+    num_processes: int, local_mode: bool, use_gpu: bool, settings: dict[str, Any]
+) -> TrainingSpec:
+    """The validated spec of the hook's arguments; ``settings`` are its other keywords (the
+    ``SparkSubmitHook`` ones are popped from it). Refuses the operator's own settings, saying where
+    they belong."""
+    operator_only = sorted(set(settings) & set(settings_for(XCOM)))
+    if operator_only:
+        raise InvalidTrainingConfig(
+            f"{', '.join(operator_only)} say(s) how the operator puts rank 0's value in XCom; "
+            "the hook returns the value itself. Pass it to TorchDistributorOperator instead."
+        )
+    lifetime = sorted(set(settings) & set(settings_for(OWNER)))
+    if lifetime:
+        raise InvalidTrainingConfig(
+            f"{', '.join(lifetime)} say(s) how long a run lives apart from its Airflow task: "
+            "settings of TorchDistributorOperator. The hook's run() trains in this process; "
+            "for a detached run use hook.start_run(..., durable=..., reattach_timeout=...)."
+        )
+    given = {"num_processes": num_processes, "local_mode": local_mode, "use_gpu": use_gpu}
+    submit_kwargs = {k: settings.pop(k) for k in list(settings) if k not in SETTINGS}
+    submit_kwargs.update(settings.pop("spark_submit_kwargs", None) or {})
+    return build_spec(**given, **settings, spark_submit_kwargs=submit_kwargs)

@@ -1,0 +1,88 @@
+"""What the hook does before any run starts: the checks that can fail first, the staged work, and
+its plan.
+
+:func:`check_and_stage` runs every check that can fail before anything starts
+(:mod:`~airflow_provider_torchdist.preflight`), then stages the work
+(:mod:`~airflow_provider_torchdist.staging`); :func:`plan_staged` turns the staged run into a
+:class:`~airflow_provider_torchdist.submit_plan.SubmitPlan` and its fast JVM start. Between the
+two the caller owns the staging directory (and removes it when planning fails).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from airflow_provider_torchdist.connection import SparkTarget
+from airflow_provider_torchdist.fast_start import FastStart, plan_fast_start
+from airflow_provider_torchdist.preflight import (
+    check_checkpoint_dir,
+    check_cluster_capacity,
+    check_gpu_conf,
+    check_master_reachable,
+    check_spark_binary,
+)
+from airflow_provider_torchdist.spark.checkpoints import CHECKPOINT_ENV
+from airflow_provider_torchdist.spec import TrainingSpec
+from airflow_provider_torchdist.staging import StagedRun, stage_run
+from airflow_provider_torchdist.submit_plan import (
+    SubmitPlan,
+    build_plan,
+    spark_home,
+    spark_properties,
+    submit_environment,
+)
+from airflow_provider_torchdist.validation import check_args
+
+
+def check_and_stage(
+    spec: TrainingSpec,
+    target: SparkTarget,
+    log: Any,
+    train_object: Callable[..., Any] | str,
+    args: list[Any] | tuple[Any, ...] | None,
+    kwargs: dict[str, Any] | None,
+) -> tuple[StagedRun, dict[str, str], dict[str, str]]:
+    """Every check that can fail before anything starts, then the staged work; returns the staged
+    run, the Spark properties and spark-submit's environment (what :func:`plan_staged` takes)."""
+    environ = {**os.environ, **submit_environment(spec, target, {})}
+    props = spark_properties(spec, target, spark_home(target, environ), environ)
+    check_gpu_conf(spec, target, props)
+    env = submit_environment(spec, target, props)
+    check_spark_binary(target.spark_binary, {**os.environ, **env}.get("PATH"))
+    check_master_reachable(target.master, spec.conn_id)
+    check_checkpoint_dir(spec.checkpoint_dir)
+    slot_timeout = check_cluster_capacity(spec, target, log)
+    rank_env = dict(spec.rank_env)
+    if spec.checkpoint_dir:
+        rank_env[CHECKPOINT_ENV] = str(spec.checkpoint_dir)
+    staged = stage_run(
+        train_object,
+        check_args(args, "args", list),
+        check_args(kwargs, "kwargs", dict),
+        base_dir=spec.staging_dir,
+        training=spec,
+        slot_timeout=slot_timeout,
+        rank_env=rank_env,
+    )
+    return staged, props, env
+
+
+def plan_staged(
+    spec: TrainingSpec, target: SparkTarget, staged: StagedRun, props: dict[str, str], env: dict[str, str]
+) -> tuple[FastStart, SubmitPlan]:
+    """The staged run's fast JVM start and spark-submit plan."""
+    fast = plan_fast_start(spec, target, {**os.environ, **env}, props)
+    plan = build_plan(
+        spec,
+        target,
+        application=str(staged.driver_path),
+        application_args=[str(staged.spec_path)],
+        files=staged.files,
+        py_files=[staged.py_files],
+        properties=props,
+        properties_dir=staged.dir,
+        env={**env, **fast.env},
+    )
+    return fast, plan
