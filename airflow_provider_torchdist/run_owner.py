@@ -222,6 +222,17 @@ def end_run(record: RunRecord, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def stop_abandoned(record: RunRecord, retry_coming: bool, log: Any) -> None:
+    """The task fails while it owns ``record``'s run: with no retry to come back for it, stop the
+    run now rather than leave it holding its application and lock for ``reattach_timeout``."""
+    if retry_coming:
+        return  # the retry reattaches (a durable run) or ends it and starts afresh
+    try:
+        end_run(record)
+    except Exception as exc:  # the task's own error is the one to raise
+        log.warning("Could not stop run %s: %s", record.run_id, exc)
+
+
 def check_deferral(target_embedded: bool, local_mode: bool, executor: str, log: Any) -> None:
     """Refuse deferral where it loses the run; warn where it frees less than it seems.
 
@@ -266,4 +277,5 @@ __all__ = [
     "raise_for_failure",
     "run_state",
     "start_supervisor",
+    "stop_abandoned",
 ]

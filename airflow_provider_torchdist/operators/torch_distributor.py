@@ -21,7 +21,13 @@ from airflow_provider_torchdist.errors import SparkSubmitFailed
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.links import SparkMasterAppLink, SparkUILink
 from airflow_provider_torchdist.preflight import check_output_path
-from airflow_provider_torchdist.run_owner import ACTIVE_STATES, check_deferral, end_run, run_state
+from airflow_provider_torchdist.run_owner import (
+    ACTIVE_STATES,
+    check_deferral,
+    end_run,
+    run_state,
+    stop_abandoned,
+)
 from airflow_provider_torchdist.run_record import RECORD_KEY, RunRecord
 from airflow_provider_torchdist.run_xcom import link_pusher, output_handler
 from airflow_provider_torchdist.settings_checks import build_spec, check_settings
@@ -161,7 +167,11 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
                 self.log,
             )
             record = self._live_run(context) or self._submit(context)
-            self._hook.detach()  # the trigger is the next owner; until it connects, the run waits
+            try:
+                self._hook.detach()  # the trigger is the next owner; until it connects, the run waits
+            except Exception:
+                stop_abandoned(record, context["ti"].try_number <= (self.retries or 0), self.log)
+                raise
             self.defer(
                 trigger=TorchDistributorTrigger(record.to_dict()),
                 method_name="execute_complete",
@@ -266,6 +276,9 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         hook.on_application = link_pusher(ti)
         try:
             return hook.follow(record, output_handler(ti, hook.spec))
+        except Exception:
+            stop_abandoned(record, context["ti"].try_number <= (self.retries or 0), self.log)
+            raise
         finally:
             # The metric history is worth having after a failure too (the last loss before it).
             if hook.metrics:

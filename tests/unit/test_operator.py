@@ -301,3 +301,26 @@ def test_execute_complete_after_a_failed_wait_fails_and_stops_a_run_still_there(
         _op().execute_complete({"ti": FakeTI()}, event)
     # An error leaves a live run nobody comes back for: stopped. A gone run has nothing to stop.
     assert ended == ([record] if stopped else [])
+
+
+@pytest.mark.parametrize("retries, stopped", [(0, True), (1, False)])
+def test_a_task_failing_while_it_owns_the_run_stops_it_unless_a_retry_comes(monkeypatch, retries, stopped):
+    from types import SimpleNamespace
+
+    from airflow_provider_torchdist import run_owner
+    from airflow_provider_torchdist.errors import SparkSubmitFailed
+    from airflow_provider_torchdist.run_record import RunRecord
+
+    record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
+    ended: list[RunRecord] = []
+    monkeypatch.setattr(run_owner, "end_run", ended.append)
+
+    def follow(record, handle):
+        raise SparkSubmitFailed("the lifeline broke while fetching the output")
+
+    op = _op(retries=retries)
+    op._hook = SimpleNamespace(follow=follow, metrics=[], spec=op.training_spec(), on_application=None)
+    with pytest.raises(SparkSubmitFailed, match="lifeline broke"):
+        op._follow(record, {"ti": FakeTI()})  # try 1
+    # No retry to come back for it: stopped now, not kept for reattach_timeout. A retry reattaches.
+    assert ended == ([record] if stopped else [])
