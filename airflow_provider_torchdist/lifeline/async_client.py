@@ -79,9 +79,8 @@ class AsyncOwnerConnection:
         handshake = _ClientHandshake(host, port, run_id, secret, kind, since)
         deadline = time.monotonic() + timeout
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=MAX_LINE_BYTES + 1), timeout
-            )
+            async with asyncio.timeout(timeout):  # not wait_for: 3.11's can swallow a cancellation
+                reader, writer = await asyncio.open_connection(host, port, limit=MAX_LINE_BYTES + 1)
         except OSError as exc:  # TimeoutError included
             raise handshake.not_connected(exc) from None
 
@@ -168,7 +167,8 @@ class AsyncOwnerConnection:
                 await self._pinger
         self._writer.close()
         with contextlib.suppress(OSError, asyncio.TimeoutError):
-            await asyncio.wait_for(self._writer.wait_closed(), 2.0)
+            async with asyncio.timeout(2.0):
+                await self._writer.wait_closed()
 
     async def __aenter__(self) -> AsyncOwnerConnection:
         return self
@@ -179,7 +179,10 @@ class AsyncOwnerConnection:
 
 async def _read_async(reader: asyncio.StreamReader, timeout: float) -> dict[str, Any] | None:
     try:
-        raw = await asyncio.wait_for(reader.readline(), timeout)
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when it completes
+        # as the task is cancelled, swallowing the cancellation (a triggerer's cancel then hangs).
+        async with asyncio.timeout(timeout):
+            raw = await reader.readline()
     except ValueError:  # asyncio's own "over the limit" (LimitOverrunError)
         raise MalformedMessage(f"a message of more than {MAX_LINE_BYTES} bytes was refused") from None
     if not raw.endswith(b"\n"):

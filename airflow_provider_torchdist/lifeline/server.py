@@ -215,14 +215,17 @@ class LifelineServer:
         session = OwnerSession(self, conn, kind, peer, sub)
         try:
             conn.settimeout(self.silence_s)
-            conn.sendall(encode({"ok": True, "proof": proof, "status": status.to_dict()}))
+            welcome = encode({"ok": True, "proof": proof, "status": status.to_dict()})
+            # The welcome and the session's registration are one step for close(): an owner that
+            # has its welcome is always among the sessions close() sends "closing" to.
             with self._lock:
                 accepting = self._accepting
                 if accepting:
+                    conn.sendall(welcome)
                     self._sessions.add(session)
                     session.start_sending()
-            if not accepting:  # closed meanwhile
-                conn.sendall(encode({"k": "closing", "reason": self._close_reason}))
+            if not accepting:  # closed during the handshake
+                conn.sendall(welcome + encode({"k": "closing", "reason": self._close_reason}))
                 return
             reader = conn.makefile("rb")
             why = "it never got going"
