@@ -23,6 +23,7 @@ from airflow_provider_torchdist.preflight import (
     check_master_reachable,
     check_spark_binary,
 )
+from airflow_provider_torchdist.py_files import check_module_importable, stage_py_files
 from airflow_provider_torchdist.spark.checkpoints import CHECKPOINT_ENV
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.staging import StagedRun, stage_run
@@ -72,7 +73,11 @@ def check_and_stage(
 def plan_staged(
     spec: TrainingSpec, target: SparkTarget, staged: StagedRun, props: dict[str, str], env: dict[str, str]
 ) -> tuple[FastStart, SubmitPlan]:
-    """The staged run's fast JVM start and spark-submit plan."""
+    """The staged run's fast JVM start and spark-submit plan (the user's ``py_files`` staged too;
+    a module-mode run that trains on this machine checked to be importable)."""
+    user_py_files = stage_py_files(spec.py_files, staged.dir)
+    if staged.spec.kind == "module" and (target.embedded or spec.local_mode):
+        check_module_importable(staged.spec.entry, user_py_files)
     fast = plan_fast_start(spec, target, {**os.environ, **env}, props)
     plan = build_plan(
         spec,
@@ -80,7 +85,7 @@ def plan_staged(
         application=str(staged.driver_path),
         application_args=[str(staged.spec_path)],
         files=staged.files,
-        py_files=[staged.py_files],
+        py_files=[staged.py_files, *user_py_files],
         properties=props,
         properties_dir=staged.dir,
         env={**env, **fast.env},

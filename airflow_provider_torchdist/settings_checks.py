@@ -50,6 +50,19 @@ def _str_dict(value: Any, name: str) -> dict[str, Any]:
     return dict(value)
 
 
+def _str_list(value: Any, name: str) -> list[str]:
+    """A list of non-empty strings; a string is a comma-separated list (as spark-submit takes it)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise InvalidTrainingConfig(
+            f"{name} must be a list of paths (or one comma-separated string), got {value!r}"
+        )
+    return list(value)
+
+
 def _env_dict(value: Any, name: str) -> dict[str, str]:
     return {k: str(v) for k, v in _str_dict(value, name).items()}
 
@@ -68,7 +81,7 @@ def _submit_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Only ``SparkSubmitHook``'s own arguments: a misspelled one fails when the DAG is parsed."""
     from airflow_provider_torchdist.submit_plan import submit_hook_arguments
 
-    allowed = submit_hook_arguments() | {"properties_file", "fast_jvm_start"}
+    allowed = submit_hook_arguments() | {"properties_file", "fast_jvm_start", "py_files"}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise InvalidTrainingConfig(
@@ -89,6 +102,7 @@ CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "non_empty_str": _non_empty_str,
     "str_dict": _str_dict,
     "env_dict": _env_dict,
+    "str_list": _str_list,
     "submit_kwargs": lambda v, n: _submit_kwargs(_str_dict(v, n)),
     "checkpoint_dir": _optional_dir(checkpoint_dir_path),
     "output_path": _optional_dir(output_dir_path),
@@ -152,5 +166,8 @@ def _check_together(s: dict[str, Any], at_parse_time: bool) -> None:
         check_deploy_mode(s["spark_submit_kwargs"]["deploy_mode"])
     if "fast_jvm_start" in s["spark_submit_kwargs"]:  # accepted there too, as before it was a setting
         s["fast_jvm_start"] = check_bool(s["spark_submit_kwargs"].pop("fast_jvm_start"), "fast_jvm_start")
+    if "py_files" in s["spark_submit_kwargs"] and ready("py_files"):  # merged into the setting
+        extra = _str_list(s["spark_submit_kwargs"].pop("py_files"), "spark_submit_kwargs['py_files']")
+        s["py_files"] = [*s["py_files"], *extra]
     if isinstance(s["conf"], Mapping) and not is_template(s["conf"].get("spark.ssl.enabled")):
         check_unencrypted_allowed(s["conf"], s["allow_unencrypted"])

@@ -180,6 +180,15 @@ class TrainingSpec:
         scope=OWNER,
         check="float_timeout",
     )
+    py_files: list[str] = setting(
+        [],
+        "``.py``, ``.zip`` or ``.egg`` files, or directories, put on every rank's ``sys.path`` "
+        "(spark-submit's ``--py-files``): a directory holding ``__init__.py`` is zipped as that "
+        "package, any other as a source root. ``spark_submit_kwargs['py_files']`` is merged in.",
+        templated=True,
+        scope=SUBMIT,
+        check="str_list",
+    )
     spark_submit_kwargs: dict[str, Any] = setting(
         {},
         "other ``SparkSubmitHook`` settings: ``executor_memory``, ``driver_memory``, "
@@ -206,7 +215,13 @@ class TrainingSpec:
         """This spec less what only ``spark-submit`` needs (connection, Spark conf, environment):
         what travels to the driver and, inside the barrier tasks, to every executor."""
         return dataclasses.replace(
-            self, conf={}, env_vars={}, spark_submit_kwargs={}, conn_id=DEFAULT_CONN_ID, staging_dir=None
+            self,
+            conf={},
+            env_vars={},
+            spark_submit_kwargs={},
+            conn_id=DEFAULT_CONN_ID,
+            staging_dir=None,
+            py_files=[],
         )
 
 

@@ -32,6 +32,7 @@ from airflow_provider_torchdist.spark.jobspec import (
 )
 from airflow_provider_torchdist.spark.output_store import MANIFEST_SUFFIX
 from airflow_provider_torchdist.spec import TrainingSpec
+from airflow_provider_torchdist.train_module import module_name
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SPARK_ZIP = "torchdist_spark.zip"
@@ -54,6 +55,7 @@ STAGED_FILE_NAMES = frozenset(
 )
 #: Characters Spark reads in a ``--files`` entry: ``,`` separates entries and ``#`` renames the file.
 _SPARK_FILES_SPECIAL = (",", "#")
+_ARGV_ONLY = "kwargs apply to callables only; pass {what} options in args, e.g. args=['--epochs', '3']"
 
 
 @dataclass
@@ -250,6 +252,10 @@ def stage_run(
     if callable(train_object):
         kind, entry, data = "callable", PAYLOAD_FILE, pickle_payload(train_object, args, kwargs)
         script_args: list[str] = []
+    elif (module := module_name(train_object)) is not None:
+        if kwargs:
+            raise InvalidTrainingConfig(_ARGV_ONLY.format(what="a module's"))
+        kind, entry, data, script_args = "module", module, None, [str(a) for a in args]
     else:
         script = Path(train_object).expanduser()
         check_script_name(str(train_object))
@@ -259,14 +265,13 @@ def stage_run(
                 f"(resolved to {script.resolve()}). Give the path of a .py file that the worker can read."
             )
         if kwargs:
-            raise InvalidTrainingConfig(
-                "kwargs apply to callables only; pass a script's options in args, e.g. args=['--epochs', '3']"
-            )
+            raise InvalidTrainingConfig(_ARGV_ONLY.format(what="a script's"))
         kind, entry, data = "script", script.name, script.read_bytes()
         script_args = [str(a) for a in args]
     staging = Path(tempfile.mkdtemp(prefix="torchdist-", dir=base_dir))
     try:
-        _write_private(staging / entry, data)
+        if data is not None:  # a module is imported on the ranks, nothing to ship
+            _write_private(staging / entry, data)
         spec = JobSpec.for_run(
             training or TrainingSpec(),
             kind=kind,
@@ -289,6 +294,6 @@ def stage_run(
         spec=spec,
         spec_path=spec_path,
         driver_path=driver,
-        files=[str(staging / entry)],
+        files=[] if data is None else [str(staging / entry)],
         py_files=str(staging / SPARK_ZIP),
     )

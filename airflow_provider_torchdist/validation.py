@@ -10,6 +10,7 @@ from typing import Any
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
 from airflow_provider_torchdist.staging import check_script_name
+from airflow_provider_torchdist.train_module import module_name
 
 #: More ranks than any Spark cluster could schedule as one barrier stage: a typo, not a job.
 MAX_NUM_PROCESSES = 100_000
@@ -86,8 +87,8 @@ def check_bool(value: Any, field: str) -> bool:
 
 
 def check_train_object(value: Any) -> Callable[..., Any] | str:
-    """A callable, or the path of a Python script (``str`` or ``os.PathLike``)."""
-    if callable(value):
+    """A callable, ``"-m package.module"``, or the path of a Python script (``str`` or ``os.PathLike``)."""
+    if callable(value) or module_name(value) is not None:
         return value
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
@@ -96,7 +97,7 @@ def check_train_object(value: Any) -> Callable[..., Any] | str:
         return value
     raise InvalidTrainingConfig(
         f"train_object must be a callable or the path of a .py training script, got {type(value).__name__}: "
-        f"{value!r}"
+        f"{value!r} (or, for module mode, '-m package.module')"
     )
 
 

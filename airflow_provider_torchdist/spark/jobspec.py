@@ -25,7 +25,7 @@ OWNER_TOKEN_FILE = "owner.token"
 #: Where the driver's run channel listens, ``{"host", "port"}``, written by the driver for the hook.
 CHANNEL_FILE = "channel.json"
 
-Kind = Literal["callable", "script"]
+Kind = Literal["callable", "script", "module"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,12 +39,13 @@ class JobSpec(TrainingSpec):
     """
 
     kind: Kind
-    #: File name (inside the staging dir, shipped with ``--files``) of the pickled payload or the script.
+    #: File name (inside the staging dir, shipped with ``--files``) of the pickled payload or the
+    #: script; the dotted module name in module mode (nothing shipped).
     entry: str
     run_id: str
     #: Per-run secret: only connections that present it may talk to the driver's channel.
     token: str
-    #: Command-line arguments of a script (script mode only).
+    #: Command-line arguments of a script or module.
     script_args: list[str] = field(default_factory=list)
 
     @classmethod

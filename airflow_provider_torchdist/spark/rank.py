@@ -7,6 +7,7 @@ starts in milliseconds. Everything a rank prints goes through :class:`OutputCapt
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import runpy
 import signal
@@ -113,11 +114,27 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
 
 
 def call_entry(spec: JobSpec, entry_path: str) -> Any:
-    """Run the user's work in this process: the pickled callable, or the script as ``__main__``."""
+    """Run the user's work in this process: the pickled callable, or the script or module as
+    ``__main__`` (``python script.py`` / ``python -m module``, with its args as ``sys.argv``)."""
     if spec.kind == "callable":
         with open(entry_path, "rb") as f:
             payload = cloudpickle.load(f)
         return payload["fn"](*payload["args"], **payload["kwargs"])
+    if spec.kind == "module":
+        sys.argv = [spec.entry, *spec.script_args]  # argv[0] becomes the module's file, as with -m
+        try:
+            found = importlib.util.find_spec(spec.entry)
+        except ModuleNotFoundError:  # a parent package is missing
+            found = None
+        if found is None:
+            raise ModuleNotFoundError(
+                f"train_object module {spec.entry!r} is not importable on this host: install it in "
+                "the cluster's Python, or ship it with py_files=[...] (a package directory, .zip, .egg "
+                "or .py)",
+                name=spec.entry,
+            )
+        runpy.run_module(spec.entry, run_name="__main__", alter_sys=True)
+        return None
     sys.argv = [entry_path, *spec.script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(entry_path)))
     runpy.run_path(entry_path, run_name="__main__")

@@ -1,0 +1,73 @@
+"""``py_files``: the user's Python code shipped with the run (spark-submit's ``--py-files``).
+
+Each entry is a ``.py``, ``.zip`` or ``.egg`` file, sent as it is, or a directory, zipped into the
+run's staging directory first: a directory holding ``__init__.py`` as that package (``mypkg/`` is
+importable as ``mypkg``), any other directory as a source root (its contents at the zip's top).
+Spark puts them on the driver's and the executors' ``sys.path``; torchrun's ranks inherit it.
+
+Module mode (``train_object="-m mypkg.train"``) on the embedded master or in local mode runs where
+this worker's Python runs, so a module importable neither here nor from ``py_files`` fails before
+spark-submit (:func:`check_module_importable`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import zipfile
+from importlib.machinery import PathFinder
+from pathlib import Path
+
+from airflow_provider_torchdist.errors import InvalidTrainingConfig
+
+SUFFIXES = (".py", ".zip", ".egg")
+
+
+def stage_py_files(entries: list[str], staging_dir: Path) -> list[str]:
+    """What goes to ``--py-files`` for ``entries``: files as they are, directories zipped into
+    ``staging_dir``. Raises :class:`InvalidTrainingConfig` for a missing or unsuitable entry."""
+    staged = []
+    for n, entry in enumerate(entries):
+        path = Path(entry).expanduser()
+        if path.is_dir():
+            staged.append(str(zip_directory(path.resolve(), staging_dir / f"py-files-{n}-{path.name}.zip")))
+        elif path.is_file() and path.suffix in SUFFIXES:
+            staged.append(str(path.resolve()))
+        else:
+            what = "is not a .py, .zip or .egg file" if path.exists() else "does not exist on this worker"
+            raise InvalidTrainingConfig(
+                f"py_files entry {entry!r} {what}: give .py, .zip or .egg files, or directories (a "
+                "package directory is shipped as that package, any other directory as a source root)."
+            )
+    return staged
+
+
+def zip_directory(src: Path, dest: Path) -> Path:
+    """``src`` zipped to ``dest`` (0600): as the package ``src.name`` when it holds
+    ``__init__.py``, else its contents at the top. Compiled files and caches are left out."""
+    root = src.parent if (src / "__init__.py").is_file() else src
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_DEFLATED) as zf:
+        for path in sorted(src.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".pyc", ".pyo"):
+                zf.write(path, path.relative_to(root).as_posix())
+    return dest
+
+
+def check_module_importable(module: str, py_files: list[str]) -> None:
+    """Fail before spark-submit when ``module`` can be found neither on this Python's path nor in
+    ``py_files`` (found by path only: nothing of the user's is imported here)."""
+    top, *rest = module.split(".")
+    # The top package: in py_files, or through every finder of this Python (editable installs
+    # included); find_spec of a top-level name imports nothing.
+    spec = PathFinder.find_spec(top, py_files) or importlib.util.find_spec(top)
+    for part in rest:  # submodules by path, so that no package __init__ of the user's runs here
+        if spec is None:
+            break
+        spec = PathFinder.find_spec(part, list(spec.submodule_search_locations or []))
+    if spec is None:
+        raise InvalidTrainingConfig(
+            f"train_object module {module!r} cannot be found: not installed in this Python, and not in "
+            f"py_files={py_files!r}. Ship its package directory with py_files=['/path/to/{module.split('.')[0]}'] "
+            "(or a .zip / .egg of it), or install it where the ranks run."
+        )
