@@ -92,7 +92,7 @@ def start_supervisor(
                 "checkpoint_dir": checkpoint_dir,
                 # Handed over in a private file: the supervisor does not read Airflow's config.
                 "owner_secret_hex": owner_secret(run_id).hex(),
-                "output_file": None if staged.spec.kind == "script" else str(staged.output_path),
+                "output_file": str(staged.output_path) if staged.spec.kind == "callable" else None,
             }
         ),
     )

@@ -148,7 +148,7 @@ class TorchDistributorHook(BaseHook):
                 self._submit(self.plan, staged)
             finally:
                 fast.finish()
-            return handle(None if staged.spec.kind == "script" else staged.output_path)
+            return handle(staged.output_path if staged.spec.kind == "callable" else None)
         finally:
             self._stop_session()
             staged.cleanup()

@@ -6,7 +6,9 @@ this proves the by-value pickling. ``evaluate`` reads rank 0's value through ``l
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
+from pathlib import Path
 
 import pendulum
 from airflow.sdk import dag, task
@@ -157,6 +159,31 @@ def bad_submit():
         local_mode=True,
         conf={"spark.driver.memory": "lots"},
     )
+
+
+#: A package importable only from this directory: module mode ships it with py_files.
+MODULE_PKG = str(Path(__file__).resolve().parents[1] / "integration" / "module_pkg" / "torchdist_modtest")
+
+
+def module_dag(dag_id: str, local_mode: bool):
+    @dag(dag_id=dag_id, schedule=None, start_date=START, catchup=False)
+    def pipeline():
+        out = Path(os.environ["AIRFLOW_HOME"], dag_id)
+        out.mkdir(parents=True, exist_ok=True)
+        TorchDistributorOperator(
+            task_id="train",
+            train_object="-m torchdist_modtest.train",
+            args=["--out", str(out), "--lr", "0.5"],
+            py_files=[MODULE_PKG],
+            num_processes=2,
+            local_mode=local_mode,
+        )
+
+    return pipeline()
+
+
+module_dag("torchdist_e2e_module_local", local_mode=True)
+module_dag("torchdist_e2e_module_distributed", local_mode=False)
 
 
 @dag(dag_id="torchdist_e2e_large_output", schedule=None, start_date=START, catchup=False)

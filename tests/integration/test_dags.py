@@ -23,6 +23,8 @@ DAG_IDS = [
     "torchdist_e2e_timeout",
     "torchdist_e2e_large_output",
     "torchdist_e2e_bad_submit",
+    "torchdist_e2e_module_local",
+    "torchdist_e2e_module_distributed",
 ]
 
 
@@ -108,6 +110,18 @@ def test_spark_submits_own_error_reaches_the_task_log(dag_runs: tuple[dict, Path
     states, _, output = dag_runs
     assert states["torchdist_e2e_bad_submit"]["state"] == "failed"
     assert "Invalid maximum heap size: -Xmxlots" in output, output[-5000:]
+
+
+@pytest.mark.parametrize("mode", ["local", "distributed"])
+def test_a_module_shipped_as_a_package_directory_runs_on_every_rank_with_its_args(
+    dag_runs: tuple[dict, Path, str], mode: str
+) -> None:
+    states, db, output = dag_runs
+    dag_id = f"torchdist_e2e_module_{mode}"
+    assert states[dag_id]["state"] == "success", output[-5000:]
+    out = db.parent / dag_id
+    for rank in (0, 1):
+        assert (out / f"rank-{rank}").read_text() == f"--out {out} --lr 0.5|2|__main__"
 
 
 def _task_tries(db: Path, dag_id: str) -> dict[str, tuple[str, int]]:

@@ -1,0 +1,12 @@
+"""Run as ``-m torchdist_modtest.train --out DIR [args...]`` on every rank: joins the process group
+and writes ``DIR/rank-<rank>`` holding its argv (after the module) and the world size."""
+
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+(out / f"rank-{dist.get_rank()}").write_text(" ".join(sys.argv[1:]) + f"|{dist.get_world_size()}|{__name__}")
+dist.destroy_process_group()
