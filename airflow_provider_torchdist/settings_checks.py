@@ -63,6 +63,23 @@ def _str_list(value: Any, name: str) -> list[str]:
     return list(value)
 
 
+def _log_ranks(value: Any, name: str) -> str | list[int]:
+    """``"all"``, or the global ranks shown: a list of ints, or a string of them joined by commas."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
+        return "all"
+    parts = value.split(",") if isinstance(value, str) else value
+    ok = isinstance(parts, (list, tuple)) and all(
+        (type(p) is int and p >= 0) or (isinstance(p, str) and p.strip().isascii() and p.strip().isdigit())
+        for p in parts
+    )
+    if not ok or (isinstance(value, str) and not value.strip()):
+        raise InvalidTrainingConfig(
+            f'{name} must be "all", a list of global ranks such as [0, 3], or a string such as "0,3" '
+            f"(commas only), got {value!r}"
+        )
+    return sorted({int(p) for p in parts})
+
+
 def _env_dict(value: Any, name: str) -> dict[str, str]:
     return {k: str(v) for k, v in _str_dict(value, name).items()}
 
@@ -103,6 +120,7 @@ CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "str_dict": _str_dict,
     "env_dict": _env_dict,
     "str_list": _str_list,
+    "log_ranks": _log_ranks,
     "submit_kwargs": lambda v, n: _submit_kwargs(_str_dict(v, n)),
     "checkpoint_dir": _optional_dir(checkpoint_dir_path),
     "output_path": _optional_dir(output_dir_path),
@@ -162,6 +180,13 @@ def _check_together(s: dict[str, Any], at_parse_time: bool) -> None:
         s["num_processes"], s["nproc_per_node"], s["local_mode"] = check_topology(
             s["num_processes"], s["nproc_per_node"], s["local_mode"]
         )
+    if ready("log_ranks", "num_processes") and s["log_ranks"] != "all":
+        beyond = [r for r in s["log_ranks"] if r >= s["num_processes"]]
+        if beyond:
+            raise InvalidTrainingConfig(
+                f"log_ranks names rank(s) {beyond}, but the run has ranks 0..{s['num_processes'] - 1} "
+                f"(num_processes={s['num_processes']})"
+            )
     if "deploy_mode" in s["spark_submit_kwargs"]:
         check_deploy_mode(s["spark_submit_kwargs"]["deploy_mode"])
     if "fast_jvm_start" in s["spark_submit_kwargs"]:  # accepted there too, as before it was a setting

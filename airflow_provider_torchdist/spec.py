@@ -122,6 +122,14 @@ class TrainingSpec:
         scope=SUBMIT,
         check="optional_str",
     )
+    log_ranks: str | list[int] = setting(
+        "all",
+        'which global ranks\' stdout and stderr reach the task log: ``"all"``, a list of ranks, or '
+        'a string such as ``"0,3"``. ``report()`` lines and a failing rank\'s traceback and last '
+        "lines always show; the others' output goes to a per-run file the log names.",
+        templated=True,
+        check="log_ranks",
+    )
     debug: bool = setting(
         False,
         "torchx's debug preset for every rank: ``CUDA_LAUNCH_BLOCKING=1``, ``NCCL_DESYNC_DEBUG=1``, "

@@ -44,6 +44,7 @@ from airflow_provider_torchdist.spark.outcome import RankFailure
 from airflow_provider_torchdist.spark.output_receipt import receive_output
 from airflow_provider_torchdist.spark.output_store import OutputLedger
 from airflow_provider_torchdist.spark.owner import OwnerHub
+from airflow_provider_torchdist.spark.rank_logs import RankLogFilter
 
 __all__ = ["ChannelClient", "ChannelRefused", "RunChannel"]
 
@@ -87,6 +88,7 @@ class RunChannel:
         hello_timeout: float = HELLO_TIMEOUT_S,
         owner_token: str | None = None,
         echo_stdout: bool = True,
+        rank_filter: RankLogFilter | None = None,
     ) -> None:
         self._token = token.encode()
         self._owner_token = owner_token.encode() if owner_token else None
@@ -99,6 +101,8 @@ class RunChannel:
         self.owners = OwnerHub()
         self.hello_timeout = hello_timeout
         self.echo_stdout = echo_stdout
+        #: ``log_ranks``: whose lines are shown (None: everyone's).
+        self.rank_filter = rank_filter
         self._gate = HelloGate()
         #: Connections refused in their hello, and why (for tests and the log).
         self.rejected = 0
@@ -145,6 +149,8 @@ class RunChannel:
         self._server.shutdown()
         self._server.server_close()
         self.owners.close()
+        if self.rank_filter:
+            self.rank_filter.close()
 
     # The ledger's facts, for the driver.
     @property
@@ -176,6 +182,12 @@ class RunChannel:
         line = escape_controls(f"[torchdist] application {app_id} spark-ui {ui_url or '-'}")
         self.owners.publish(wire.Application(app_id, ui_url))
         self._log(line)
+
+    def _show_failed(self, ranks: list[int]) -> None:
+        """A failing rank's last lines reach the log, ``log_ranks`` or not."""
+        for rank in ranks if self.rank_filter else ():
+            for line in self.rank_filter.failed(rank):
+                self._log(line)
 
     def _log(self, line: str) -> None:
         """One line of the task log: to every owner, and to stdout while ``echo_stdout``."""
@@ -244,6 +256,10 @@ class RunChannel:
         assert node is not None
         agent = rank is None
         match msg:
+            case wire.Line(text=text) if (
+                rank is not None and self.rank_filter and not self.rank_filter.shows(rank)
+            ):
+                self.rank_filter.keep(rank, escape_controls(f"{this.prefix} {text}"))
             case wire.Line(text=text):
                 self._log(f"{this.prefix} {text}")
             case wire.Metric(record=record):
@@ -251,9 +267,11 @@ class RunChannel:
                 self.owners.publish(msg)
                 self._log(f"[metrics] {format_metrics(record)}")
             case wire.RankError() if rank is not None:
+                self._show_failed([rank])
                 self.ledger.rank_raised(rank, this.host, msg)
             case wire.AgentFailures(failures=failures) if agent:
                 # The node's verified host, not what the message says.
+                self._show_failed([f.rank for f in failures if f.rank is not None])
                 self.ledger.agents_failed(dataclasses.replace(f, host=this.host) for f in failures)
                 if self._on_failure:
                     self._on_failure()

@@ -20,6 +20,7 @@ from airflow_provider_torchdist.spark.executor_loss import ExecutorWatch, lost_e
 from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.outcome import Outcome
 from airflow_provider_torchdist.spark.owner import read_owner_token, write_channel_address
+from airflow_provider_torchdist.spark.rank_logs import rank_filter
 
 LOCAL_HOST = "127.0.0.1"
 
@@ -39,10 +40,13 @@ def run_local(spec: JobSpec, staging: Path) -> Outcome:
         ranks_of_node=lambda _: ranks,
         owner_token=owner_token,
         echo_stdout=owner_token is None,  # the hook follows the run as its owner
+        rank_filter=rank_filter(spec.log_ranks, staging),
     )
     with channel:
         write_channel_address(staging, channel.address)  # for the hook, which follows the run as owner
         channel.say(f"local mode: {spec.num_processes} process(es) on the driver")
+        if channel.rank_filter:
+            channel.say(channel.rank_filter.announcement())
         node = channel.registry.add_local(0, LOCAL_HOST)
         failures = launch_node(
             spec,
@@ -91,6 +95,7 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
             verify_node=SchedulerVerifier(sc, group),
             owner_token=owner_token,
             echo_stdout=owner_token is None,  # the hook follows the run as its owner
+            rank_filter=rank_filter(spec.log_ranks, staging),
         )
         with channel:
             write_channel_address(staging, channel.address)  # for the hook, which follows the run as owner
@@ -98,6 +103,8 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
                 f"distributed mode: {spec.num_nodes} Spark task(s) x {spec.nproc_per_node} process(es), "
                 f"master {sc.master}"
             )
+            if channel.rank_filter:
+                channel.say(channel.rank_filter.announcement())
             channel.application(sc.applicationId, sc.uiWebUrl or None)
             wait_for_slots(sc, spec.num_nodes, spec.slot_timeout, channel.say)
             sc.setJobGroup(group, f"torchdist training {spec.run_id}", interruptOnCancel=True)

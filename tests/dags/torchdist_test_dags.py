@@ -186,6 +186,37 @@ module_dag("torchdist_e2e_module_local", local_mode=True)
 module_dag("torchdist_e2e_module_distributed", local_mode=False)
 
 
+def chatty(tag: str, fail_rank: int = -1) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    print(f"chatty {tag} rank {rank}", flush=True)
+    dist.barrier()
+    if rank == fail_rank:
+        raise RuntimeError(f"rank {rank} failed on purpose ({tag})")
+    dist.destroy_process_group()
+
+
+@dag(dag_id="torchdist_e2e_log_ranks", schedule=None, start_date=START, catchup=False)
+def log_ranks():
+    TorchDistributorOperator(
+        task_id="train", train_object=chatty, args=["quiet"], num_processes=2, local_mode=True, log_ranks=[0]
+    )
+
+
+@dag(dag_id="torchdist_e2e_log_ranks_failure", schedule=None, start_date=START, catchup=False)
+def log_ranks_failure():
+    TorchDistributorOperator(
+        task_id="train",
+        train_object=chatty,
+        args=["loud", 1],
+        num_processes=2,
+        local_mode=False,
+        log_ranks="0",
+    )
+
+
 @dag(dag_id="torchdist_e2e_large_output", schedule=None, start_date=START, catchup=False)
 def large_output():
     trained = TorchDistributorOperator(
@@ -212,3 +243,5 @@ retry_resume()
 timeout()
 large_output()
 bad_submit()
+log_ranks()
+log_ranks_failure()

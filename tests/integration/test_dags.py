@@ -25,6 +25,8 @@ DAG_IDS = [
     "torchdist_e2e_bad_submit",
     "torchdist_e2e_module_local",
     "torchdist_e2e_module_distributed",
+    "torchdist_e2e_log_ranks",
+    "torchdist_e2e_log_ranks_failure",
 ]
 
 
@@ -122,6 +124,20 @@ def test_a_module_shipped_as_a_package_directory_runs_on_every_rank_with_its_arg
     out = db.parent / dag_id
     for rank in (0, 1):
         assert (out / f"rank-{rank}").read_text() == f"--out {out} --lr 0.5|2|__main__"
+
+
+def test_log_ranks_hides_other_ranks_lines_but_never_a_failing_ranks(
+    dag_runs: tuple[dict, Path, str],
+) -> None:
+    states, _, output = dag_runs
+    assert states["torchdist_e2e_log_ranks"]["state"] == "success", output[-5000:]
+    assert "chatty quiet rank 0" in output
+    assert "chatty quiet rank 1" not in output  # kept in the run's ranks.log instead
+    assert "log_ranks: only rank(s) 0 shown here" in output
+    # Filtered, and failing: its last lines and its traceback still reach the log and the error.
+    assert states["torchdist_e2e_log_ranks_failure"]["state"] == "failed"
+    assert "chatty loud rank 1" in output
+    assert "RuntimeError: rank 1 failed on purpose (loud)" in output
 
 
 def _task_tries(db: Path, dag_id: str) -> dict[str, tuple[str, int]]:
