@@ -58,7 +58,8 @@ def check_spark_binary(binary: str, path: str | None) -> None:
         f"spark-submit not found: the hook would run {binary!r}, and there is no such executable in "
         f"{where}. Install pyspark (it ships spark-submit) into the Python that runs Airflow, or set "
         "spark_binary (or the connection's spark-binary extra) to Spark's bin/spark-submit and make it "
-        "reachable on PATH (env_vars={'PATH': ...})."
+        "reachable on PATH (env_vars={'PATH': ...}). `python -m airflow_provider_torchdist doctor` checks "
+        "this worker's set-up."
     )
 
 

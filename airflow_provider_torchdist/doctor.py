@@ -1,0 +1,176 @@
+"""``python -m airflow_provider_torchdist doctor``: is this environment ready to run training?
+
+Checks, in plain words, what a run needs on this Airflow worker and says what to do about each
+missing piece: ``spark-submit``, Spark's jars (``pyspark-client`` has none), Java 17 or newer,
+torch (local mode trains here), the output signing key, and what the installed Airflow offers.
+Nothing is changed: a missing signing key is reported as "made on the first run".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+MIN_JAVA = 17
+
+
+@dataclass(frozen=True)
+class Finding:
+    ok: bool
+    what: str
+    detail: str
+
+
+def _spark_submit() -> Finding:
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    found = shutil.which("spark-submit", path=path)
+    if found:
+        return Finding(True, "spark-submit", found)
+    return Finding(
+        False,
+        "spark-submit",
+        "not found next to this Python or on PATH: install the full pyspark (it ships spark-submit), "
+        "e.g. pip install 'pyspark==4.3.0', or put Spark's bin/ on PATH.",
+    )
+
+
+def _spark_jars() -> Finding:
+    home = os.environ.get("SPARK_HOME")
+    if not home:
+        spec = importlib.util.find_spec("pyspark")
+        if spec is None or not spec.submodule_search_locations:
+            return Finding(False, "Spark jars", "pyspark is not installed: pip install 'pyspark==4.3.0'.")
+        home = list(spec.submodule_search_locations)[0]
+    jars = sorted(Path(home, "jars").glob("spark-core_*.jar"))
+    if jars:
+        return Finding(True, "Spark jars", str(jars[0].parent))
+    return Finding(
+        False,
+        "Spark jars",
+        f"{home} has no jars/spark-core_*.jar: that is pyspark-client (what the Spark provider pulls), "
+        "not the full pyspark. Reinstall the full one over it: "
+        "pip install --force-reinstall --no-deps 'pyspark==4.3.0', or set SPARK_HOME to a Spark install.",
+    )
+
+
+def _java() -> Finding:
+    java = shutil.which(
+        "java", path=os.path.join(os.environ["JAVA_HOME"], "bin") if os.environ.get("JAVA_HOME") else None
+    )
+    if not java:
+        return Finding(
+            False,
+            "Java",
+            f"no java on PATH (or in JAVA_HOME): install Java {MIN_JAVA}, e.g. apt-get install openjdk-17-jre-headless.",
+        )
+    try:
+        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Finding(False, "Java", f"{java} -version failed: {exc}")
+    match = re.search(r'version "(\d+)', out.stderr + out.stdout)
+    major = int(match.group(1)) if match else 0
+    if major >= MIN_JAVA:
+        return Finding(True, "Java", f"{java} (Java {major})")
+    return Finding(False, "Java", f"{java} is Java {major or '?'}; Spark 4 needs Java {MIN_JAVA} or newer.")
+
+
+def _torch() -> Finding:
+    if importlib.util.find_spec("torch") is None:
+        return Finding(
+            False,
+            "torch",
+            "not installed in this Python: local mode trains here, and the embedded master's executors "
+            "run this Python. Install torch (the CPU build: pip install torch --index-url "
+            "https://download.pytorch.org/whl/cpu), or train only on a cluster whose Python has it.",
+        )
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return Finding(True, "torch", f"{torch.__version__}, {gpus} GPU(s) visible")
+
+
+def _signing_key() -> Finding:
+    from airflow_provider_torchdist.signing import _key_file
+
+    try:
+        from airflow.configuration import conf
+
+        configured = conf.get("torchdist", "output_signing_key", fallback=None)
+    except Exception as exc:  # a failing secrets backend, say
+        return Finding(False, "signing key", f"[torchdist] output_signing_key cannot be read: {exc}")
+    if configured:
+        ok = len(configured.strip().encode()) >= 32
+        return Finding(
+            ok,
+            "signing key",
+            "[torchdist] output_signing_key" + ("" if ok else " is shorter than 32 bytes: use a longer one."),
+        )
+    path = _key_file()
+    if not path.exists():
+        return Finding(
+            True,
+            "signing key",
+            f"{path} is made (0600) on the first run; every worker and triggerer of a deployment needs the same key: set [torchdist] output_signing_key.",
+        )
+    st = path.lstat()
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        return Finding(
+            False,
+            "signing key",
+            f"{path} must be a regular file of this user, mode 0600: chown and chmod 600 it.",
+        )
+    return Finding(True, "signing key", str(path))
+
+
+def _airflow() -> Finding:
+    import airflow
+
+    try:
+        from airflow.providers.common.compat.sdk import ResumableJobMixin  # noqa: F401
+    except ImportError:
+        return Finding(
+            False,
+            "Airflow",
+            f"{airflow.__version__}: no ResumableJobMixin / task_state_store; durable reattach needs Airflow 3.3.",
+        )
+    return Finding(True, "Airflow", f"{airflow.__version__}: task_state_store for durable reattach")
+
+
+CHECKS: tuple[Callable[[], Finding], ...] = (
+    _spark_submit,
+    _spark_jars,
+    _java,
+    _torch,
+    _signing_key,
+    _airflow,
+)
+
+
+def run_checks() -> list[Finding]:
+    findings = []
+    for check in CHECKS:
+        try:
+            findings.append(check())
+        except Exception as exc:  # a check that breaks is a finding, not a crash
+            findings.append(
+                Finding(False, check.__name__.strip("_").replace("_", " "), f"{type(exc).__name__}: {exc}")
+            )
+    return findings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print one line per check; exit 1 when something is missing."""
+    findings = run_checks()
+    for f in findings:
+        print(f"{'ok     ' if f.ok else 'MISSING'} {f.what}: {f.detail}")
+    missing = [f for f in findings if not f.ok]
+    print("ready to train" if not missing else f"{len(missing)} problem(s): see MISSING above")
+    return 1 if missing else 0

@@ -1,0 +1,66 @@
+"""``python -m airflow_provider_torchdist doctor``: each check says what is missing and what to do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from airflow_provider_torchdist import doctor
+
+
+def test_this_environment_is_ready(capsys) -> None:
+    assert doctor.main() == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    for what in ("spark-submit", "Spark jars", "Java", "torch", "signing key", "Airflow"):
+        assert f"ok      {what}:" in out
+    assert out.strip().endswith("ready to train")
+
+
+def test_no_spark_submit_is_named_with_what_to_do(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    finding = doctor._spark_submit()
+    assert not finding.ok and "install the full pyspark" in finding.detail
+
+
+def test_pyspark_client_without_jars_is_told_apart(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("SPARK_HOME", str(tmp_path))
+    finding = doctor._spark_jars()
+    assert (
+        not finding.ok
+        and "pyspark-client" in finding.detail
+        and "--force-reinstall --no-deps" in finding.detail
+    )
+
+
+def test_no_java_is_named(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path))
+    finding = doctor._java()
+    assert not finding.ok and "install Java 17" in finding.detail
+
+
+def test_a_key_file_others_can_read_is_a_problem(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    monkeypatch.setenv("AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY", "")
+    assert doctor._signing_key().ok  # none yet: made on the first run
+    key = tmp_path / "torchdist_output_signing.key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o644)
+    finding = doctor._signing_key()
+    assert not finding.ok and "mode 0600" in finding.detail
+
+
+def test_a_broken_check_is_a_finding_and_the_exit_code_says_so(monkeypatch, capsys) -> None:
+    def broken() -> doctor.Finding:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(doctor, "CHECKS", (broken,))
+    assert doctor.main() == 1
+    assert "MISSING broken: RuntimeError: boom" in capsys.readouterr().out
+
+
+def test_the_command_line() -> None:
+    usage = subprocess.run(
+        [sys.executable, "-m", "airflow_provider_torchdist"], capture_output=True, text=True
+    )
+    assert usage.returncode == 2 and "usage: python -m airflow_provider_torchdist doctor" in usage.stderr
