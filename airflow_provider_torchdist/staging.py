@@ -9,20 +9,18 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import sys
-import sysconfig
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-import cloudpickle
-
-from airflow_provider_torchdist.errors import InvalidTrainingConfig, PayloadNotPicklable
+from airflow_provider_torchdist.errors import InvalidTrainingConfig
+from airflow_provider_torchdist.payload import (
+    modules_to_pickle_by_value as modules_to_pickle_by_value,  # re-exported
+)
+from airflow_provider_torchdist.payload import pickle_payload
 from airflow_provider_torchdist.spark.jobspec import (
     OUTCOME_FILE,
     OUTPUT_FILE,
@@ -126,99 +124,6 @@ def _write_private(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
-
-
-def _library_roots() -> list[str]:
-    paths = sysconfig.get_paths()
-    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    roots |= {sys.base_prefix, sys.prefix} - {""}
-    return sorted({os.path.realpath(r) for r in roots})
-
-
-def modules_to_pickle_by_value() -> list[ModuleType]:
-    """Loaded modules that Spark executors could not import by name.
-
-    Airflow imports DAG files under generated module names, and the DAG folder is not on the
-    executors' path, so cloudpickle's default (pickle functions from importable modules by
-    reference) would fail there. Any module whose file lies outside the standard library and
-    site-packages is user code: it travels by value. This provider's own code travels as
-    ``--py-files`` instead.
-    """
-    roots = _library_roots()
-    found = []
-    for name, module in list(sys.modules.items()):
-        file = getattr(module, "__file__", None)
-        if not file or name == "__main__" or name.split(".")[0] == "airflow_provider_torchdist":
-            continue
-        if getattr(module, "__name__", None) != name:  # an alias: cloudpickle registers by __name__
-            continue
-        real = os.path.realpath(file)
-        if not any(real.startswith(root + os.sep) for root in roots):
-            found.append(module)
-    return found
-
-
-@contextmanager
-def _by_value(modules: list[ModuleType]) -> Iterator[None]:
-    already = cloudpickle.list_registry_pickle_by_value()
-    added = [m for m in modules if m.__name__ not in already]
-    for module in added:
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        yield
-    finally:
-        for module in added:
-            cloudpickle.unregister_pickle_by_value(module)
-
-
-def _dumps(obj: Any) -> bytes:
-    return cloudpickle.dumps(obj, protocol=5)
-
-
-def _culprit(label: str, obj: Any, depth: int = 0) -> str | None:
-    """Name the innermost piece of ``obj`` that cannot be pickled, e.g. ``closure variable 'lock'``."""
-    try:
-        _dumps(obj)
-        return None
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    code = getattr(obj, "__code__", None)
-    if code is not None and depth < 3:
-        parts: list[tuple[str, Any]] = []
-        for name, cell in zip(code.co_freevars, getattr(obj, "__closure__", None) or (), strict=False):
-            try:
-                parts.append((f"closure variable {name!r} of {obj.__qualname__}", cell.cell_contents))
-            except ValueError:  # an empty cell
-                continue
-        globals_ = getattr(obj, "__globals__", {})
-        parts += [
-            (f"global {n!r} used by {obj.__qualname__}", globals_[n]) for n in code.co_names if n in globals_
-        ]
-        parts += [
-            (f"default argument of {obj.__qualname__}", d) for d in getattr(obj, "__defaults__", None) or ()
-        ]
-        for sub_label, sub in parts:
-            found = _culprit(sub_label, sub, depth + 1)
-            if found:
-                return found
-    return f"{label} ({type(obj).__name__}): {error}"
-
-
-def pickle_payload(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> bytes:
-    """cloudpickle the callable with its arguments, user modules by value; name what fails."""
-    with _by_value(modules_to_pickle_by_value()):
-        try:
-            return _dumps({"fn": fn, "args": tuple(args), "kwargs": kwargs})
-        except Exception:
-            pieces = [("train_object " + getattr(fn, "__qualname__", repr(fn)), fn)]
-            pieces += [(f"args[{i}]", a) for i, a in enumerate(args)]
-            pieces += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
-            culprit = next(filter(None, (_culprit(label, obj) for label, obj in pieces)), None)
-            raise PayloadNotPicklable(
-                f"Cannot pickle the training payload: {culprit or 'unknown object'}. The callable, what it "
-                "refers to (globals, closure, defaults) and its args/kwargs are cloudpickled to ship them "
-                "to Spark; create locks, open files, sockets and clients inside the function instead."
-            ) from None
 
 
 def _spark_zip(dest: Path) -> None:

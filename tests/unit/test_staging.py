@@ -356,3 +356,20 @@ def test_spark_zip_imports_with_airflow_unavailable(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_an_open_file_is_refused_not_shipped_as_a_silent_copy(tmp_path) -> None:
+    data = tmp_path / "data.txt"
+    data.write_text("rows")
+    with open(data) as f:
+
+        def train():
+            return f.read()
+
+        with pytest.raises(
+            PayloadNotPicklable,
+            match=r"closure variable 'f' of .*an open file \(.*data\.txt'\) cannot travel",
+        ):
+            pickle_payload(train, [], {})
+        with pytest.raises(PayloadNotPicklable, match=r"args\[0\].*an open file"):
+            pickle_payload(print, [f], {})
