@@ -76,7 +76,11 @@ def plan_staged(
     """The staged run's fast JVM start and spark-submit plan (the user's ``py_files`` staged too;
     a module-mode run that trains on this machine checked to be importable)."""
     user_py_files = stage_py_files(spec.py_files, staged.dir)
-    if staged.spec.kind == "module" and (target.embedded or spec.local_mode):
+    other_python = {"PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON"} & set(spec.env_vars) or {
+        "spark.pyspark.python",
+        "spark.pyspark.driver.python",
+    } & set(spec.conf)
+    if staged.spec.kind == "module" and (target.embedded or spec.local_mode) and not other_python:
         check_module_importable(staged.spec.entry, user_py_files)
     fast = plan_fast_start(spec, target, {**os.environ, **env}, props)
     plan = build_plan(

@@ -8,6 +8,7 @@ functions themselves are the shared ones of :mod:`~airflow_provider_torchdist.va
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -56,6 +57,8 @@ def _str_list(value: Any, name: str) -> list[str]:
         return []
     if isinstance(value, str):
         value = [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, (list, tuple)):
+        value = [os.fspath(v) if isinstance(v, os.PathLike) else v for v in value]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
         raise InvalidTrainingConfig(
             f"{name} must be a list of paths (or one comma-separated string), got {value!r}"

@@ -23,7 +23,8 @@ def module_name(train_object: object) -> str | None:
         return None
     name = train_object[len(PREFIX) :] if train_object.startswith(PREFIX) else ""
     parts = name.split(".")
-    if not name or not all(p.isidentifier() and not keyword.iskeyword(p) for p in parts):
+    valid = all(p.isidentifier() and not keyword.iskeyword(p) for p in parts)
+    if not name or not valid or parts[0] == "__main__":
         raise InvalidTrainingConfig(
             f"train_object {train_object!r} is not module mode: write exactly '-m', one space and a dotted "
             "module name, e.g. '-m mypkg.train' (it runs like torchrun -m mypkg.train), and give the "

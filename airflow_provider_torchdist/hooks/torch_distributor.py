@@ -204,7 +204,12 @@ class TorchDistributorHook(BaseHook):
         )
         self.staged = None  # the supervisor's now: it removes it when the run ends
         self.record = record
-        self._owner = connect_owner(record)
+        try:
+            self._owner = connect_owner(record)
+        except BaseException:
+            with contextlib.suppress(Exception):  # nobody holds its record: a run left would only block
+                end_run(record, timeout=10.0)
+            raise
         return record
 
     def detach(self) -> None:

@@ -183,6 +183,11 @@ class RunChannel:
         self.owners.publish(wire.Application(app_id, ui_url))
         self._log(line)
 
+    def agents_failed(self, failures: list[RankFailure]) -> None:
+        """A node's agent reports failed ranks (a signal, an exit code, or an exception)."""
+        self._show_failed([f.rank for f in failures if f.rank is not None])
+        self.ledger.agents_failed(failures)
+
     def _show_failed(self, ranks: list[int]) -> None:
         """A failing rank's last lines reach the log, ``log_ranks`` or not."""
         for rank in ranks if self.rank_filter else ():
@@ -256,12 +261,15 @@ class RunChannel:
         assert node is not None
         agent = rank is None
         match msg:
-            case wire.Line(text=text) if (
-                rank is not None and self.rank_filter and not self.rank_filter.shows(rank)
-            ):
-                self.rank_filter.keep(rank, escape_controls(f"{this.prefix} {text}"))
             case wire.Line(text=text):
-                self._log(f"{this.prefix} {text}")
+                line = f"{this.prefix} {text}"
+                held = (
+                    rank is not None
+                    and self.rank_filter
+                    and self.rank_filter.hold(rank, escape_controls(line))
+                )
+                if not held:
+                    self._log(line)
             case wire.Metric(record=record):
                 self.ledger.metric(record)
                 self.owners.publish(msg)
@@ -271,8 +279,7 @@ class RunChannel:
                 self.ledger.rank_raised(rank, this.host, msg)
             case wire.AgentFailures(failures=failures) if agent:
                 # The node's verified host, not what the message says.
-                self._show_failed([f.rank for f in failures if f.rank is not None])
-                self.ledger.agents_failed(dataclasses.replace(f, host=this.host) for f in failures)
+                self.agents_failed([dataclasses.replace(f, host=this.host) for f in failures])
                 if self._on_failure:
                     self._on_failure()
             case wire.NodeStarted() if agent:

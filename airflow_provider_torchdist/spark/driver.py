@@ -57,7 +57,7 @@ def run_local(spec: JobSpec, staging: Path) -> Outcome:
             output_dir=str(staging),  # the ranks run here: rank 0 writes its value in place
             node_key=node.key,
         )
-        channel.ledger.agents_failed(failures)
+        channel.agents_failed(failures)
         emit("channel_close")
     emit("channel_closed")
     return Outcome(

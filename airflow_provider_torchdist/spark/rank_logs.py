@@ -2,7 +2,7 @@
 ``--local-ranks-filter``, but by global rank).
 
 A filtered rank's lines go to a per-run file in the driver's staging directory instead
-(``ranks.log``, 0600, kept as long as the staging directory), and its last lines are kept in
+(``ranks.log``, 0600; it goes with the staging directory when the run ends), and its last lines are kept in
 memory: when that rank fails they are printed after all, with its traceback (which reaches the
 error either way). ``report()`` lines and the agents' and driver's own lines are never filtered.
 Standard library only: it runs in the driver.
@@ -48,15 +48,19 @@ class RankLogFilter:
     def shows(self, rank: int) -> bool:
         return self.shown is None or rank in self.shown or rank in self._failed
 
-    def keep(self, rank: int, line: str) -> None:
-        """A line of a rank not shown: to the file, and to that rank's tail."""
+    def hold(self, rank: int, line: str) -> bool:
+        """Keep ``line`` of a rank not shown (to the file and its tail) and say so; False: show it.
+        Decided under the lock, so that a line cannot slip into a tail after its rank failed."""
         with self._lock:
+            if self.shows(rank):
+                return False
             self._tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(line)
             if self._file is None:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
                 self._file = os.fdopen(fd, "a", encoding="utf-8")
             self._file.write(line + "\n")
             self._file.flush()
+            return True
 
     def failed(self, rank: int) -> list[str]:
         """``rank`` failed: its last lines not shown yet (once), and from now on all its lines

@@ -156,3 +156,40 @@ def test_the_rank_runs_the_module_as_main_with_its_argv(tmp_path, monkeypatch) -
             call_entry(missing.spec, "unused")
     finally:
         missing.cleanup()
+
+
+def test_py_files_entries_that_would_break_or_leak_are_refused(tmp_path, monkeypatch) -> None:
+    staging = tmp_path / "stage"
+    staging.mkdir()
+    pkg = _package(tmp_path / "src")
+    monkeypatch.chdir(tmp_path / "src")
+    with pytest.raises(InvalidTrainingConfig, match="is not an absolute path"):
+        stage_py_files(["mypkg"], staging)
+    with pytest.raises(InvalidTrainingConfig, match="would zip its own zip"):
+        stage_py_files([str(tmp_path)], staging)  # the staging directory is inside it
+    (tmp_path / "secret").write_text("SECRET")
+    (pkg / "leak.txt").symlink_to(tmp_path / "secret")
+    with pytest.raises(InvalidTrainingConfig, match="symbolic link that leads out of it"):
+        stage_py_files([str(pkg)], staging)
+    (pkg / "leak.txt").unlink()
+    (tmp_path / "a,b.py").write_text("")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "b.zip").write_bytes(b"")
+    (tmp_path / "b.zip").write_bytes(b"")
+    for entries, why in (
+        ([str(tmp_path / "a,b.py")], "contains ',' or '#'"),
+        ([str(tmp_path / "b.zip"), str(tmp_path / "other" / "b.zip")], "the name of another entry"),
+    ):
+        with pytest.raises(InvalidTrainingConfig, match=why):
+            stage_py_files(entries, staging)
+    (pkg / ".git").mkdir()
+    (pkg / ".git" / "config").write_text("")
+    names = zipfile.ZipFile(stage_py_files([str(pkg)], staging)[0]).namelist()
+    assert not any(".git" in n for n in names) and "mypkg/sub/train.py" in names
+
+
+def test_a_single_py_file_is_a_module_and_main_is_not_one(tmp_path) -> None:
+    (tmp_path / "trainmod.py").write_text("")
+    check_module_importable("trainmod", [str(tmp_path / "trainmod.py")])
+    with pytest.raises(InvalidTrainingConfig, match="is not module mode"):
+        TorchDistributorOperator(task_id="t", train_object="-m __main__")

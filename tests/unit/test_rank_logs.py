@@ -38,7 +38,7 @@ def test_filtered_lines_go_to_a_private_file_and_a_failing_ranks_tail_shows_once
     f = rank_filter([0], tmp_path)
     assert f is not None and f.shows(0) and not f.shows(1)
     for i in range(TAIL_LINES + 5):
-        f.keep(1, f"[rank 1 @ h] line {i}")
+        assert f.hold(1, f"[rank 1 @ h] line {i}")
     assert "only rank(s) 0 shown" in f.announcement() and str(tmp_path / RANKS_LOG) in f.announcement()
     tail = f.failed(1)
     assert tail == [f"[rank 1 @ h] line {i}" for i in range(5, TAIL_LINES + 5)]
