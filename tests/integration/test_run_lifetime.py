@@ -102,6 +102,17 @@ def _alive(pids: dict[int, str]) -> dict[int, str]:
     return left
 
 
+def _wait_gone(tree: dict[int, str], staging: Path, since: float, limit: float, after: str) -> float:
+    """Wait until every process of ``tree`` and ``staging`` are gone, at most ``limit`` s after
+    ``since``; returns when that was (seconds after ``since``)."""
+    while _alive(tree) or staging.exists():
+        assert time.monotonic() - since < limit, (
+            f"{limit:g} s after {after}: left {_alive(tree)}, staging {'there' if staging.exists() else 'gone'}"
+        )
+        time.sleep(0.2)
+    return time.monotonic() - since
+
+
 def test_sigkill_of_a_non_durable_task_leaves_nothing_of_its_run_within_15_s(
     deployment: Deployment, tmp_path: Path
 ) -> None:
@@ -116,11 +127,7 @@ def test_sigkill_of_a_non_durable_task_leaves_nothing_of_its_run_within_15_s(
 
     os.kill(task, signal.SIGKILL)
     killed = time.monotonic()
-    while _alive(tree) or staging.exists():
-        assert time.monotonic() - killed < 15, (
-            f"15 s after the task's SIGKILL: left {_alive(tree)}, staging {'there' if staging.exists() else 'gone'}"
-        )
-        time.sleep(0.2)
+    _wait_gone(tree, staging, killed, 15, "the task's SIGKILL")
     ti = deployment.wait_state("lifetime_nondurable", run_id, "train", {"failed"}, timeout=120)
     assert ti["try_number"] == 1
 
@@ -194,9 +201,7 @@ def test_mark_failed_while_deferred_leaves_nothing_of_the_run_within_15_s(
     tree = _run_tree(supervisor, gate)
     deployment.mark_failed(dag, run_id, "train")
     marked = time.monotonic()
-    while _alive(tree) or staging.exists():
-        assert time.monotonic() - marked < 15, f"15 s after mark-failed: left {_alive(tree)}"
-        time.sleep(0.2)
+    _wait_gone(tree, staging, marked, 15, "mark-failed")
 
 
 def test_a_durable_run_nobody_comes_back_for_is_torn_down_after_reattach_timeout(
@@ -222,12 +227,8 @@ def test_a_durable_run_nobody_comes_back_for_is_torn_down_after_reattach_timeout
         f"{'alive' if supervisor.is_running() else 'gone'}"
     )
     # ...then tears itself down, all of it, once reattach_timeout has passed.
-    while _alive(tree) or staging.exists():
-        assert time.monotonic() - killed < reattach + 15, (
-            f"{reattach} + 15 s after the kill: left {_alive(tree)}, staging {'there' if staging.exists() else 'gone'}"
-        )
-        time.sleep(0.2)
-    assert time.monotonic() - killed >= reattach - 1, "the run was torn down before reattach_timeout"
+    gone = _wait_gone(tree, staging, killed, reattach + 15, "the kill")
+    assert gone >= reattach - 1, "the run was torn down before reattach_timeout"
     assert not (gate / "release").exists()
 
 
@@ -279,6 +280,4 @@ def test_a_retry_without_the_record_is_refused_by_the_live_runs_checkpoint_lock(
 
     supervisor.terminate()  # the run this test started: its supervisor's own teardown, by PID
     stopped = time.monotonic()
-    while _alive(tree) or staging.exists():
-        assert time.monotonic() - stopped < 15, f"15 s after SIGTERM: left {_alive(tree)}"
-        time.sleep(0.2)
+    _wait_gone(tree, staging, stopped, 15, "SIGTERM")
