@@ -32,6 +32,9 @@ CONN_TYPE = "torchdist_spark"
 #: Connection extra with the standalone master's web UI, e.g. ``http://spark-master:8080``: with it the
 #: hook checks before submitting that the cluster can ever fit the job.
 MASTER_WEB_UI_EXTRA = "master-web-ui"
+#: Connection extra with the Spark history server, e.g. ``http://spark-history:18080``: the task then
+#: links to the run's page there, which outlives the driver's own UI.
+HISTORY_SERVER_EXTRA = "history-server-url"
 EMBEDDED_HOST = "127.0.0.1"
 DEFAULT_SPARK_BINARY = "spark-submit"
 
@@ -46,6 +49,7 @@ class SparkTarget:
     embedded: bool = False
     deploy_mode: str | None = None
     master_web_ui: str | None = None
+    history_server: str | None = None
     spark_binary: str = DEFAULT_SPARK_BINARY
     #: Spark settings the target needs (the embedded master keeps its servers on loopback).
     conf: dict[str, str] = field(default_factory=dict)
@@ -105,6 +109,7 @@ def resolve_target(spec: TrainingSpec, log: Any = None) -> SparkTarget:
         connection={k: v for k, v in data.items() if v not in (None, "", {})},
         deploy_mode=deploy_mode,
         master_web_ui=extra.get(MASTER_WEB_UI_EXTRA),
+        history_server=extra.get(HISTORY_SERVER_EXTRA),
         spark_binary=spec.spark_submit_kwargs.get("spark_binary")
         or extra.get("spark-binary")
         or DEFAULT_SPARK_BINARY,

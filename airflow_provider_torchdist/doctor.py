@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MIN_JAVA = 17
+#: The one command that gives the embedded default what it needs (pyproject.toml's ``spark`` extra).
+INSTALL_SPARK = "pip install 'airflow-provider-torchdist[spark]'"
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ def _spark_submit() -> Finding:
         False,
         "spark-submit",
         "not found next to this Python or on PATH: install the full pyspark (it ships spark-submit), "
-        "e.g. pip install 'pyspark==4.3.0', or put Spark's bin/ on PATH.",
+        f"e.g. {INSTALL_SPARK}, or put Spark's bin/ on PATH.",
     )
 
 
@@ -47,7 +49,7 @@ def _spark_jars() -> Finding:
     if not home:
         spec = importlib.util.find_spec("pyspark")
         if spec is None or not spec.submodule_search_locations:
-            return Finding(False, "Spark jars", "pyspark is not installed: pip install 'pyspark==4.3.0'.")
+            return Finding(False, "Spark jars", f"pyspark is not installed: {INSTALL_SPARK}.")
         home = list(spec.submodule_search_locations)[0]
     jars = sorted(Path(home, "jars").glob("spark-core_*.jar"))
     if jars:
@@ -56,8 +58,45 @@ def _spark_jars() -> Finding:
         False,
         "Spark jars",
         f"{home} has no jars/spark-core_*.jar: that is pyspark-client (what the Spark provider pulls), "
-        "not the full pyspark. Reinstall the full one over it: "
-        "pip install --force-reinstall --no-deps 'pyspark==4.3.0', or set SPARK_HOME to a Spark install.",
+        f"not the full pyspark. Install the full one beside it: {INSTALL_SPARK}, "
+        "or set SPARK_HOME to a Spark install.",
+    )
+
+
+def _spark_versions() -> Finding:
+    """pyspark's Python files, its jars and pyspark-client must be one Spark release.
+
+    The Spark provider pulls ``pyspark-client``, which writes into the same ``pyspark/`` folder as
+    the full ``pyspark``: of different releases, whichever was installed last wins the shared
+    files, and Python and JVM sides of Spark disagree.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    spec = importlib.util.find_spec("pyspark")
+    if spec is None or not spec.submodule_search_locations:
+        return Finding(False, "Spark versions", f"pyspark is not installed: {INSTALL_SPARK}.")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    match = re.search(r"__version__[^=]*=\s*['\"]([^'\"]+)['\"]", (folder / "version.py").read_text())
+    python_side = match.group(1) if match else "?"
+    found = {"pyspark/version.py": python_side}
+    jar = next(iter(sorted(folder.glob("jars/spark-core_*.jar"))), None)
+    if jar is not None:
+        found["jars"] = jar.stem.rsplit("-", 1)[-1]
+    for dist in ("pyspark", "pyspark-client"):
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    if len(set(found.values())) == 1:
+        return Finding(True, "Spark versions", f"{python_side} ({', '.join(found)})")
+    return Finding(
+        False,
+        "Spark versions",
+        "pyspark/ mixes Spark releases ("
+        + ", ".join(f"{k} {v}" for k, v in found.items())
+        + "): install pyspark and pyspark-client of the same release, e.g. "
+        + INSTALL_SPARK
+        + ".",
     )
 
 
@@ -132,6 +171,7 @@ def _signing_key() -> Finding:
 
 def _airflow() -> Finding:
     import airflow
+    from packaging.version import Version
 
     try:
         from airflow.providers.common.compat.sdk import ResumableJobMixin  # noqa: F401
@@ -139,7 +179,16 @@ def _airflow() -> Finding:
         return Finding(
             False,
             "Airflow",
-            f"{airflow.__version__}: no ResumableJobMixin / task_state_store; durable reattach needs Airflow 3.3.",
+            f"{airflow.__version__} without ResumableJobMixin: upgrade "
+            "apache-airflow-providers-common-compat to 1.23.0 or newer.",
+        )
+    if Version(airflow.__version__).release < (3, 3):
+        # Not a problem: runs work, each try submits a new one (durable=True warns it has no effect).
+        return Finding(
+            True,
+            "Airflow",
+            f"{airflow.__version__}: no task_state_store, so a retried task starts a new run; durable "
+            "reattach needs Airflow 3.3 or newer.",
         )
     return Finding(True, "Airflow", f"{airflow.__version__}: task_state_store for durable reattach")
 
@@ -147,6 +196,7 @@ def _airflow() -> Finding:
 CHECKS: tuple[Callable[[], Finding], ...] = (
     _spark_submit,
     _spark_jars,
+    _spark_versions,
     _java,
     _torch,
     _signing_key,

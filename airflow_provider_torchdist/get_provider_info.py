@@ -11,7 +11,7 @@ def get_provider_info() -> dict[str, Any]:
     The hook works with the Spark provider's ``spark`` connections as they are. It also declares a
     ``torchdist_spark`` connection type ("PyTorch on Spark"): the same fields, plus the one this
     provider adds (the standalone master's web UI, for the slot check before submitting and the
-    master-page link), described declaratively so the UI's connection form shows them. Declaring
+    master-page link; the Spark history server, for the history link), described declaratively so the UI's connection form shows them. Declaring
     ``spark`` itself again would be ignored, with a warning, in favour of the Spark provider's.
     """
     from airflow_provider_torchdist import __version__
@@ -69,6 +69,15 @@ def get_provider_info() -> dict[str, Any]:
                         "link to the application's page on the master.",
                         "schema": {"type": ["string", "null"]},
                     },
+                    "history-server-url": {
+                        "label": "Spark history server",
+                        "description": "The Spark history server, e.g. http://spark-history:18080. With "
+                        "it, the task links to the run's page there, which stays after the run ends (the "
+                        "Spark UI link is the driver's own UI, gone with the run). The application must "
+                        "write its event log where the history server reads (spark.eventLog.enabled, "
+                        "spark.eventLog.dir).",
+                        "schema": {"type": ["string", "null"]},
+                    },
                     "queue": {
                         "label": "YARN queue",
                         "description": "YARN queue to submit to.",
@@ -86,9 +95,10 @@ def get_provider_info() -> dict[str, Any]:
                 },
             }
         ],
-        # The "Spark UI" button on a train task instance (TorchDistributorOperator.operator_extra_links).
+        # The buttons on a train task instance (TorchDistributorOperator.operator_extra_links).
         "extra-links": [
             "airflow_provider_torchdist.links.SparkUILink",
             "airflow_provider_torchdist.links.SparkMasterAppLink",
+            "airflow_provider_torchdist.links.SparkHistoryServerLink",
         ],
     }

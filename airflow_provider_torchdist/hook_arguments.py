@@ -2,8 +2,9 @@
 settings: which ones, its constructor's signature, and the spec it builds from its arguments.
 
 The hook takes the settings of :class:`~airflow_provider_torchdist.spec.TrainingSpec` that the
-run and spark-submit use (not how the operator puts outputs in XCom, nor how long a run lives apart
-from its task), ``num_processes``, ``local_mode`` and ``use_gpu`` also positionally, and any other
+run and spark-submit use (not how the operator puts outputs in XCom, how long a run lives apart
+from its task, nor what of the task's OpenLineage identity goes to Spark, which needs the task's
+context), ``num_processes``, ``local_mode`` and ``use_gpu`` also positionally, and any other
 keyword as a ``SparkSubmitHook`` argument.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
 from airflow_provider_torchdist.settings_checks import build_spec
 from airflow_provider_torchdist.spec import (
+    LINEAGE,
     OWNER,
     RUN,
     SETTINGS,
@@ -68,6 +70,14 @@ def spec_from_arguments(
             f"{', '.join(lifetime)} say(s) how long a run lives apart from its Airflow task: "
             "settings of TorchDistributorOperator. The hook's run() trains in this process; "
             "for a detached run use hook.start_run(..., durable=..., reattach_timeout=...)."
+        )
+    lineage = sorted(set(settings) & set(settings_for(LINEAGE)))
+    if lineage:
+        raise InvalidTrainingConfig(
+            f"{', '.join(lineage)} need(s) the Airflow task's context: settings of "
+            "TorchDistributorOperator. With the hook, add the properties to conf yourself: "
+            "conf=inject_parent_job_information_into_spark_properties(conf, context) "
+            "(airflow.providers.openlineage.utils.spark)."
         )
     given = {"num_processes": num_processes, "local_mode": local_mode, "use_gpu": use_gpu}
     submit_kwargs = {k: settings.pop(k) for k in list(settings) if k not in SETTINGS}

@@ -22,7 +22,7 @@ archive's size is part of its file name and is checked before use.
 
 Example::
 
-    start = plan_driver_jvm_start(cache_root(os.environ), ["java-17", "spark-4.3", "distributed"], "")
+    start = plan_driver_jvm_start(cache_root(os.environ), ["java-17", "spark-4.2", "distributed"], "")
     env["SPARK_SUBMIT_OPTS"] = start.spark_submit_opts(env.get("SPARK_SUBMIT_OPTS"))
     ...  # spark-submit runs to its end
     start.finish()  # a first run's archive goes into the cache

@@ -3,7 +3,8 @@
 User modules travel by value (a DAG file's module name does not exist on the executors); what
 cannot travel (locks, sockets, clients, open files) is refused, naming the piece that failed:
 ``closure variable 'lock' of train``. An open file is refused too, although cloudpickle could
-ship a read-mode one as a silent copy of its contents.
+ship a read-mode one as a silent copy of its contents; ``sys.stdout`` and ``sys.stderr`` are no
+copy and travel as the rank's own streams.
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _refuse_file(f: Any) -> Any:
+    # The standard streams are no copy: as cloudpickle does, they become the rank's own (whose
+    # lines reach the task log).
+    for name in ("stdout", "stderr"):
+        if f is getattr(sys, name) or f is getattr(sys, f"__{name}__"):
+            return getattr, (sys, name)
     raise TypeError(f"an open file ({getattr(f, 'name', '?')!r}) cannot travel to the ranks; open it there")
 
 

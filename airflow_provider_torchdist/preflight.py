@@ -8,9 +8,11 @@ without GPUs) into an error that names the setting and says what to do, with not
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -60,6 +62,22 @@ def check_spark_binary(binary: str, path: str | None) -> None:
         "spark_binary (or the connection's spark-binary extra) to Spark's bin/spark-submit and make it "
         "reachable on PATH (env_vars={'PATH': ...}). `python -m airflow_provider_torchdist doctor` checks "
         "this worker's set-up."
+    )
+
+
+def check_torch_here(why: str) -> None:
+    """The ranks train in this Python (local mode, the embedded master): torch must import here.
+
+    Checked before spark-submit, where a missing torch would otherwise be every rank's first error.
+    """
+    if importlib.util.find_spec("torch") is not None:
+        return
+    raise SparkSubmitFailed(
+        f"torch is not installed in {sys.executable}, and {why}, so the ranks would train in this "
+        "Python. Install it here (pip install 'airflow-provider-torchdist[spark]' brings it; for the "
+        "CPU build first: pip install torch --index-url https://download.pytorch.org/whl/cpu), or "
+        "point PYSPARK_PYTHON at a Python that has it. `python -m airflow_provider_torchdist doctor` "
+        "checks this worker's set-up."
     )
 
 

@@ -22,6 +22,7 @@ from airflow_provider_torchdist.preflight import (
     check_gpu_conf,
     check_master_reachable,
     check_spark_binary,
+    check_torch_here,
 )
 from airflow_provider_torchdist.py_files import check_module_importable, stage_py_files
 from airflow_provider_torchdist.spark.checkpoints import CHECKPOINT_ENV
@@ -80,8 +81,14 @@ def plan_staged(
         "spark.pyspark.python",
         "spark.pyspark.driver.python",
     } & set(spec.conf)
-    if staged.spec.kind == "module" and (target.embedded or spec.local_mode) and not other_python:
-        check_module_importable(staged.spec.entry, user_py_files)
+    if (target.embedded or spec.local_mode) and not other_python:
+        check_torch_here(
+            "local mode trains on this machine"
+            if spec.local_mode
+            else "the embedded master's executors run here"
+        )
+        if staged.spec.kind == "module":
+            check_module_importable(staged.spec.entry, user_py_files)
     fast = plan_fast_start(spec, target, {**os.environ, **env}, props)
     plan = build_plan(
         spec,

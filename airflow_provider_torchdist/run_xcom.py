@@ -13,20 +13,18 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist import run_paths
-from airflow_provider_torchdist.links import SPARK_MASTER_APP_XCOM_KEY, SPARK_UI_XCOM_KEY
+from airflow_provider_torchdist.links import ApplicationLinks
 from airflow_provider_torchdist.results import origin_of, output_to_xcom
 from airflow_provider_torchdist.spec import TrainingSpec
 
 
-def link_pusher(ti: Any) -> Callable[[str, str | None, str | None], None]:
-    """The hook's ``on_application`` that pushes the Spark UI and master page URLs to ``ti``'s XCom."""
+def link_pusher(ti: Any) -> Callable[[ApplicationLinks], None]:
+    """The hook's ``on_application`` that pushes the application's link URLs to ``ti``'s XCom."""
 
-    def push_links(app_id: str, ui: str | None, master_page: str | None) -> None:
+    def push_links(links: ApplicationLinks) -> None:
         # Pushed while the run goes on, so the extra links work before the task ends.
-        if ui:
-            ti.xcom_push(key=SPARK_UI_XCOM_KEY, value=ui)
-        if master_page:
-            ti.xcom_push(key=SPARK_MASTER_APP_XCOM_KEY, value=master_page)
+        for key, url in links.xcom_values().items():
+            ti.xcom_push(key=key, value=url)
 
     return push_links
 

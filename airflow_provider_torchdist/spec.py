@@ -31,9 +31,10 @@ DEFAULT_CONN_ID = "spark_default"
 DEFAULT_MAX_XCOM_OUTPUT_BYTES = 4 * 1024 * 1024
 
 #: Who takes a setting: both the operator and the hook (``run``), or the operator only (``xcom``:
-#: how the value travels through XCom; ``owner``: how long the run lives apart from its task), or
-#: neither on the Spark side (``submit``: spark-submit's).
-RUN, XCOM, OWNER, SUBMIT = "run", "xcom", "owner", "submit"
+#: how the value travels through XCom; ``owner``: how long the run lives apart from its task;
+#: ``lineage``: what of the task's OpenLineage identity the Spark application gets, which needs the
+#: task's context), or neither on the Spark side (``submit``: spark-submit's).
+RUN, XCOM, OWNER, LINEAGE, SUBMIT = "run", "xcom", "owner", "lineage", "submit"
 #: ``reattach_timeout``'s default: how long a run waits for a new owner (10 minutes).
 DEFAULT_REATTACH_TIMEOUT = 600.0
 
@@ -187,6 +188,25 @@ class TrainingSpec:
         templated=True,
         scope=OWNER,
         check="float_timeout",
+    )
+    openlineage_inject_parent_job_info: bool | None = setting(
+        None,
+        "with ``apache-airflow-providers-openlineage`` installed, give the Spark application this "
+        "task try's OpenLineage identity, as ``SparkSubmitOperator`` does: ``spark.openlineage."
+        "parentJobNamespace``, ``parentJobName``, ``parentRunId`` and the ``rootParent*`` ones, for "
+        "the Spark OpenLineage listener; none is added when ``conf`` already sets one "
+        "(default: ``[openlineage] spark_inject_parent_job_info``).",
+        scope=LINEAGE,
+        check="optional_bool",
+    )
+    openlineage_inject_transport_info: bool | None = setting(
+        None,
+        "the same for the OpenLineage provider's HTTP transport (``spark.openlineage.transport.*``, "
+        "its API key included), so that the application sends its events where Airflow sends its "
+        "own; none is added when ``conf`` already sets one "
+        "(default: ``[openlineage] spark_inject_transport_info``).",
+        scope=LINEAGE,
+        check="optional_bool",
     )
     py_files: list[str] = setting(
         [],

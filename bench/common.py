@@ -1,7 +1,8 @@
 """Shared helpers for the benchmarks: environment, timed subprocesses, machine facts, results file.
 
 Every benchmark script writes its section of ``bench/results/latest.json`` through
-:func:`update_results` and then re-renders the README section with :mod:`bench.report`.
+:func:`update_results` and then re-renders ``docs/benchmarks.md`` and the README summary with
+:mod:`bench.report`.
 """
 
 from __future__ import annotations

@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     update_results(
         "failure_latency", {"machine": machine_info(), "rounds": rounds, "stats": stats, "samples": samples}
     )
-    from report import render_readme
+    from report import render_docs
 
-    render_readme()
+    render_docs()
     return 0
 
 

@@ -15,7 +15,7 @@ round). Written to its own section, ``fast_start``.
 Each round runs every variant once, in order (A B C ... A B C ...), after one uncounted warm-up
 round, so drifting machine load hits all variants alike. Each sample is a fresh process tree,
 timed from just before the fork to just after the exit. Medians and ratios go to
-``bench/results/latest.json`` (section ``launch``) and the README section.
+``bench/results/latest.json`` (section ``launch``), ``docs/benchmarks.md`` and the README summary.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one counted round (for development)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these variants")
     parser.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up round")
-    parser.add_argument("--no-save", action="store_true", help="print only: leave latest.json and the README")
+    parser.add_argument("--no-save", action="store_true", help="print only: leave latest.json and the docs")
     parser.add_argument("--baseline", metavar="REV", help="also run the hook variants at git revision REV")
     parser.add_argument(
         "--fast-start", action="store_true", help="what each part of fast_start.py saves (section fast_start)"
@@ -326,9 +326,9 @@ def main(argv: list[str] | None = None) -> int:
             "samples": samples,
         },
     )
-    from report import render_readme
+    from report import render_docs
 
-    render_readme()
+    render_docs()
     return 0 if ok else 1
 
 

@@ -152,9 +152,9 @@ def main(argv: list[str] | None = None) -> int:
             "samples": samples,
         },
     )
-    from report import render_readme
+    from report import render_docs
 
-    render_readme()
+    render_docs()
     return 0
 
 

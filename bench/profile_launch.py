@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one round")
     parser.add_argument("--only", nargs="+", metavar="VARIANT", help="run only these variants")
-    parser.add_argument("--no-save", action="store_true", help="print only: leave latest.json and the README")
+    parser.add_argument("--no-save", action="store_true", help="print only: leave latest.json and the docs")
     args = parser.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
     workdir = Path(tempfile.mkdtemp(prefix="bench-profile-"))
@@ -325,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
             "samples": runs,
         },
     )
-    from report import render_readme
+    from report import render_docs
 
-    render_readme()
+    render_docs()
     return 0
 
 

@@ -124,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     update_results(
         "reattach", {"machine": machine_info(), "rounds": rounds, "stats": stats, "samples": samples}
     )
-    from report import render_readme
+    from report import render_docs
 
-    render_readme()
+    render_docs()
     return 0
 
 

@@ -13,7 +13,7 @@ each) and stops it again at the end, by the PIDs it started. Per round and size 
 Each sample is timed from just before the fork to just after the exit; rank 0 also reports when it
 started, when ``init_process_group`` returned and when it finished, which splits the wall time into
 "until rank 0 runs", "process group join", "training" and "after training". One uncounted warm-up
-round first; medians go to ``bench/results/latest.json`` (section ``scaling``) and the README.
+round first; medians go to ``bench/results/latest.json`` (section ``scaling``) and ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
             "samples": samples,
         },
     )
-    from report import render_readme
+    from report import render_docs
 
-    render_readme()
+    render_docs()
     return 0
 
 

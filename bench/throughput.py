@@ -87,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         "throughput",
         {"machine": machine_info(), "rounds": rounds, "stats": stats, "ratios": ratios, "samples": samples},
     )
-    from report import render_readme
+    from report import render_docs
 
-    render_readme()
+    render_docs()
     return 0
 
 

@@ -8,8 +8,11 @@ The operator takes the values through templates. A rendered template is a string
 operator converts ``num_processes`` and ``local_mode`` itself, and :func:`train` converts its
 ``lr`` and ``epochs`` arguments.
 
-Its result is a plain JSON dict, so XCom's ``return_value`` of ``train`` is readable as is, e.g.
-``{"rank": 0, "world_size": 2, "loss": 0.0012, "learning_rate": 0.1, "epochs": 5}``.
+Its result is a plain JSON dict, so XCom's ``return_value`` of ``train`` is readable as is. With
+the form's defaults, which are also the conf the README triggers it with (``num_processes=2``,
+``local_mode=false``, ``learning_rate=0.1``, ``epochs=5``), it is
+``{"rank": 0, "world_size": 2, "loss": 0.000105, "learning_rate": 0.1, "epochs": 5}``: the loss has
+reached the floor that the data's noise (standard deviation 0.01) sets, 0.0001.
 """
 
 from __future__ import annotations
@@ -22,8 +25,12 @@ from airflow.sdk import Param, dag
 from airflow_provider_torchdist import TorchDistributorOperator, report
 
 
-def train(lr: str | float, epochs: str | int = 20) -> dict[str, Any]:
-    """Data-parallel linear regression (y = 3x + 1) over gloo; every rank trains on its own shard."""
+def train(lr: str | float, epochs: str | int = 5) -> dict[str, Any]:
+    """Data-parallel linear regression (y = 3x + 1) over gloo; every rank trains on its own shard.
+
+    An epoch is one pass over the rank's 64 samples in mini-batches of 8 (8 optimizer steps); the
+    loss reported for it, and returned, is the mean of its mini-batch losses.
+    """
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -38,16 +45,20 @@ def train(lr: str | float, epochs: str | int = 20) -> dict[str, Any]:
     model = DistributedDataParallel(torch.nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for epoch in range(epochs):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        report(step=epoch, loss=loss)
-        print(f"epoch {epoch} loss {loss.item():.5f}")
+        losses = []
+        for xb, yb in zip(x.split(8), y.split(8), strict=True):
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            optimizer.zero_grad()
+            loss.backward()  # gradients averaged across the ranks
+            optimizer.step()
+            losses.append(loss.item())
+        epoch_loss = sum(losses) / len(losses)
+        report(step=epoch, loss=epoch_loss)
+        print(f"epoch {epoch} loss {epoch_loss:.5f}")
     result = {
         "rank": rank,
         "world_size": world_size,
-        "loss": loss.item(),
+        "loss": epoch_loss,
         "learning_rate": lr,
         "epochs": epochs,
     }
@@ -85,7 +96,7 @@ def train(lr: str | float, epochs: str | int = 20) -> dict[str, Any]:
             description="SGD learning rate, in (0, 1].",
         ),
         "epochs": Param(
-            20,
+            5,
             type="integer",
             minimum=1,
             maximum=50,

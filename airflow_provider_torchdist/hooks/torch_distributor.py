@@ -27,6 +27,7 @@ from airflow_provider_torchdist.fast_start import FastStart
 from airflow_provider_torchdist.hook_arguments import HOOK_SETTINGS, hook_signature, spec_from_arguments
 from airflow_provider_torchdist.in_process import end_submission, raise_for_outcome, submit_and_follow
 from airflow_provider_torchdist.lifeline import LifelineError, OwnerConnection
+from airflow_provider_torchdist.links import ApplicationLinks
 from airflow_provider_torchdist.masking import mask_setting_secrets
 from airflow_provider_torchdist.run_owner import (
     connect_owner,
@@ -96,9 +97,9 @@ class TorchDistributorHook(BaseHook):
             mask_setting_secrets(values)
         self.target: SparkTarget = resolve_target(spec, self.log)
         check_deploy_mode(self.target.deploy_mode)
-        #: Called with (application id, Spark UI URL or None, master's application page or None) as
-        #: soon as the driver reports them; the operator pushes them to XCom for the extra links.
-        self.on_application: Callable[[str, str | None, str | None], None] | None = None
+        #: Called with the application's links as soon as the driver reports its id; the operator
+        #: pushes them to XCom for the extra links.
+        self.on_application: Callable[[ApplicationLinks], None] | None = None
         self.application_id: str | None = None
         #: What the last run's training code reported with ``report()``, in order.
         self.metrics: list[dict[str, Any]] = []
@@ -268,10 +269,15 @@ class TorchDistributorHook(BaseHook):
         if self.application_id is not None:
             return
         self.application_id = app_id
-        web_ui = self.target.master_web_ui
-        master_page = f"{web_ui.rstrip('/')}/app/?appId={app_id}" if web_ui else None
         if self.on_application:
-            self.on_application(app_id, ui_url, master_page)
+            self.on_application(
+                ApplicationLinks.of(
+                    app_id,
+                    ui_url,
+                    master_web_ui=self.target.master_web_ui,
+                    history_server=self.target.history_server,
+                )
+            )
 
     # -- stopping -----------------------------------------------------------------------------
 

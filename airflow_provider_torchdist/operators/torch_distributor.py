@@ -19,7 +19,8 @@ from airflow.providers.common.compat.sdk import conf as airflow_conf
 from airflow_provider_torchdist import run_paths
 from airflow_provider_torchdist.errors import SparkSubmitFailed
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
-from airflow_provider_torchdist.links import SparkMasterAppLink, SparkUILink
+from airflow_provider_torchdist.lineage import inject_openlineage
+from airflow_provider_torchdist.links import SparkHistoryServerLink, SparkMasterAppLink, SparkUILink
 from airflow_provider_torchdist.preflight import check_output_path
 from airflow_provider_torchdist.run_owner import (
     ACTIVE_STATES,
@@ -44,6 +45,12 @@ from airflow_provider_torchdist.validation import check_args, check_train_object
 #: XCom key of the list of ``report()`` records: ``[{"rank": 0, "step": 3, "time": ..., "loss": 0.12}, ...]``.
 METRICS_XCOM_KEY = "metrics"
 path_component = run_paths.path_component  # public since 0.1
+#: The ``[openlineage]`` options that default the OpenLineage settings, as for SparkSubmitOperator's
+#: arguments of the same names.
+OPENLINEAGE_DEFAULTS = {
+    "openlineage_inject_parent_job_info": "spark_inject_parent_job_info",
+    "openlineage_inject_transport_info": "spark_inject_transport_info",
+}
 
 
 @documented(list(SETTINGS))
@@ -81,7 +88,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
     ui_color = "#ee4c2c"
     #: Where the run's record lives in ``task_state_store`` between tries (ResumableJobMixin).
     external_id_key = RECORD_KEY
-    operator_extra_links = (SparkUILink(), SparkMasterAppLink())
+    operator_extra_links = (SparkUILink(), SparkMasterAppLink(), SparkHistoryServerLink())
 
     def __init__(
         self,
@@ -101,6 +108,9 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
             setattr(self, name, value)
         if self.deferrable is None:
             self.deferrable = airflow_conf.getboolean("operators", "default_deferrable", fallback=False)
+        for name, option in OPENLINEAGE_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, airflow_conf.getboolean("openlineage", option, fallback=False))
         self._check_work(at_parse_time=True)
         self._hook: TorchDistributorHook | None = None
         self._result: Any = None
@@ -133,10 +143,24 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
 
     def training_spec(self, context: Any = None) -> TrainingSpec:
         """The spec of this task's run, from its rendered settings; with ``context``, the default
-        checkpoint directory is this task's (the same for every try in the DAG run)."""
+        checkpoint directory is this task's (the same for every try in the DAG run), and ``conf``
+        carries the task's OpenLineage identity when asked for
+        (:mod:`~airflow_provider_torchdist.lineage`)."""
         spec = build_spec(**{name: getattr(self, name) for name in SETTINGS})
-        if spec.checkpoint_dir is None and context is not None:
+        if context is None:
+            return spec
+        if spec.checkpoint_dir is None:
             spec = dataclasses.replace(spec, checkpoint_dir=run_paths.default_checkpoint_dir(context["ti"]))
+        conf = inject_openlineage(
+            spec.conf,
+            context,
+            parent_job_info=bool(spec.openlineage_inject_parent_job_info),
+            transport_info=bool(spec.openlineage_inject_transport_info),
+        )
+        added = sorted(set(conf) - set(spec.conf))
+        if added:
+            self.log.info("OpenLineage: the Spark application gets %s.", ", ".join(added))
+            spec = dataclasses.replace(spec, conf=conf)
         return spec
 
     def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:

@@ -10,13 +10,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from tests.integration.deployment import (
-    Deployment,
-    dag_folder,
-    processes_of,
-    start_deployment,
-    stop_deployment,
-)
+from tests.integration.deployment import Deployment, dag_folder, running_deployment
 
 pytestmark = pytest.mark.integration
 
@@ -82,13 +76,5 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     """
     home = tmp_path_factory.mktemp("airflow_standalone_home")
     dags = dag_folder(tmp_path_factory.mktemp("airflow_standalone_dags"))
-    launcher, running = start_deployment(home, dags)
-    try:
-        running.login()
+    with running_deployment(home, dags) as running:
         yield running
-    finally:
-        forced = stop_deployment(launcher, home)
-        left = processes_of(home, launcher.pid)
-        assert not left, f"processes left running: {[' '.join(p.cmdline())[:120] for p in left]}"
-        # The launcher stops its components by itself; having to force them is a bug.
-        assert not forced, f"processes outlived the launcher's clean stop: {forced}"

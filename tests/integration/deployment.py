@@ -1,10 +1,11 @@
 """A real Airflow deployment for the tests: ``scripts/airflow-standalone`` and a REST client for it.
 
 ``start_deployment`` runs the launcher (API server, scheduler with the LocalExecutor, DAG processor
-and triggerer as separate processes; SQLite) in a temp AIRFLOW_HOME on a free port, serving a DAG
-folder of its own; ``stop_deployment`` stops it and says what had to be forced. The session-scoped
-``deployment`` fixture (``tests/integration/conftest.py``) serves the repository's ``dags/`` and
-``tests/integration/dags/`` to every test module that asks for it.
+and triggerer as separate processes; SQLite, unless the settings it is given name another metadata
+DB) in a temp AIRFLOW_HOME on a free port, serving a DAG folder of its own; ``stop_deployment``
+stops it and says what had to be forced (``running_deployment`` does both, and checks). The
+session-scoped ``deployment`` fixture (``tests/integration/conftest.py``) serves the repository's
+``dags/`` and ``tests/integration/dags/`` to every test module that asks for it.
 
 The deployment runs with ``TORCHDIST_NO_LOGIN=1`` (SimpleAuthManager's ``all_admins``): the UI
 needs no login, and the API token comes from ``GET /auth/token``.
@@ -18,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,7 +29,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -347,9 +349,12 @@ def dag_folder(path: Path, sources: dict[str, Path] = DAG_FOLDERS) -> Path:
     return path
 
 
-def start_deployment(home: Path, dags: Path) -> tuple[subprocess.Popen[bytes], Deployment]:
+def start_deployment(
+    home: Path, dags: Path, settings: Mapping[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], Deployment]:
     """Start ``scripts/airflow-standalone`` in ``home`` serving ``dags``, on a free port; returns once
-    it reports ready (failing the test with the components' logs if it does not)."""
+    it reports ready (failing the test with the components' logs if it does not). ``settings``:
+    more ``AIRFLOW__SECTION__KEY`` variables for it (e.g. the metadata DB's URL)."""
     port = free_port()
     env = {
         key: value
@@ -365,6 +370,7 @@ def start_deployment(home: Path, dags: Path) -> tuple[subprocess.Popen[bytes], D
         # A PATH without the venv: the launcher must put it there itself (components run as `airflow`).
         "PATH": os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if ".venv" not in p),
     }
+    env |= settings or {}
     started = time.monotonic()
     with open(home / "launcher.log", "wb") as out:
         launcher = subprocess.Popen(
@@ -410,3 +416,20 @@ def stop_deployment(launcher: subprocess.Popen[bytes], home: Path) -> list[str]:
         psutil.wait_procs(left, timeout=grace)
     launcher.wait(timeout=10)
     return forced
+
+
+@contextlib.contextmanager
+def running_deployment(
+    home: Path, dags: Path, settings: Mapping[str, str] | None = None
+) -> Iterator[Deployment]:
+    """:func:`start_deployment`, logged in; on leaving, :func:`stop_deployment`, failing if any of
+    its processes is left or had to be forced (the launcher stops its components by itself)."""
+    launcher, running = start_deployment(home, dags, settings)
+    try:
+        running.login()
+        yield running
+    finally:
+        forced = stop_deployment(launcher, home)
+        left = processes_of(home, launcher.pid)
+        assert not left, f"processes left running: {[' '.join(p.cmdline())[:120] for p in left]}"
+        assert not forced, f"processes outlived the launcher's clean stop: {forced}"

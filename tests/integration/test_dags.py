@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.run_dags import run_in_fresh_airflow
 
 pytestmark = pytest.mark.integration
 
@@ -34,26 +33,8 @@ DAG_IDS = [
 def dag_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
     """Migrate a fresh SQLite DB, then run the test DAGs once, in one Airflow process."""
     home = tmp_path_factory.mktemp("airflow_dags_home")
-    env = {
-        **os.environ,
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-    }
-    subprocess.run(
-        [sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True
-    )
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "run_dags.py"), str(DAGS), *DAG_IDS],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    output = proc.stdout + proc.stderr
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("DAG_STATES ")), None)
-    assert line, f"run_dags.py printed no states (exit {proc.returncode}):\n{output[-5000:]}"
-    return json.loads(line.removeprefix("DAG_STATES ")), home / "airflow.db", output
+    states, output = run_in_fresh_airflow(home, DAGS, DAG_IDS)
+    return states, home / "airflow.db", output
 
 
 def xcom(db: Path, dag_id: str, run_id: str, task_id: str, key: str = "return_value") -> object:

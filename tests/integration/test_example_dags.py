@@ -200,9 +200,10 @@ def test_params_dag_trains_with_the_conf(runs: Runs) -> None:
     assert result["world_size"] == PARAMS_CONF["num_processes"]
     assert result["epochs"] == PARAMS_CONF["epochs"]
     assert result["learning_rate"] == PARAMS_CONF["learning_rate"]
-    assert isinstance(result["loss"], float)
-    steps = [m["step"] for m in runs.xcom("params", "train", "metrics")]
-    assert steps == list(range(PARAMS_CONF["epochs"]))
+    assert 0 < result["loss"] < 0.02, result  # 5 epochs at 0.05 converge (0.0058 measured)
+    metrics = runs.xcom("params", "train", "metrics")
+    assert [m["step"] for m in metrics] == list(range(PARAMS_CONF["epochs"]))
+    assert metrics[-1]["loss"] == result["loss"]
 
 
 def test_out_of_range_conf_is_refused_before_running(runs: Runs) -> None:

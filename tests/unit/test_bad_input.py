@@ -385,6 +385,25 @@ def test_missing_spark_submit(how: str, tmp_path: Path, staging: Path, no_submit
     _refused_before_submit(hook, staging, no_submit)
 
 
+@pytest.mark.parametrize("local_mode", [False, True])
+def test_no_torch_where_the_ranks_would_train(
+    local_mode: bool, monkeypatch: pytest.MonkeyPatch, staging: Path, no_submit: list[str]
+) -> None:
+    """The embedded master and local mode train in this Python: without torch, refused before submit."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else find_spec(name, *a)
+    )
+    hook = TorchDistributorHook(num_processes=2, local_mode=local_mode, staging_dir=str(staging))
+    with pytest.raises(
+        SparkSubmitFailed, match=r"torch is not installed in .*airflow-provider-torchdist\[spark\].*doctor"
+    ):
+        hook.run(_train)
+    _refused_before_submit(hook, staging, no_submit)
+
+
 def test_use_gpu_on_the_embedded_master(staging: Path, no_submit: list[str]) -> None:
     hook = TorchDistributorHook(num_processes=2, use_gpu=True, staging_dir=str(staging))
     with pytest.raises(

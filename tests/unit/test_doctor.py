@@ -11,7 +11,7 @@ from airflow_provider_torchdist import doctor
 def test_this_environment_is_ready(capsys) -> None:
     assert doctor.main() == 0, capsys.readouterr().out
     out = capsys.readouterr().out
-    for what in ("spark-submit", "Spark jars", "Java", "torch", "signing key", "Airflow"):
+    for what in ("spark-submit", "Spark jars", "Spark versions", "Java", "torch", "signing key", "Airflow"):
         assert f"ok      {what}:" in out
     assert out.strip().endswith("ready to train")
 
@@ -29,8 +29,32 @@ def test_pyspark_client_without_jars_is_told_apart(monkeypatch, tmp_path) -> Non
     assert (
         not finding.ok
         and "pyspark-client" in finding.detail
-        and "--force-reinstall --no-deps" in finding.detail
+        and "airflow-provider-torchdist[spark]" in finding.detail
     )
+
+
+def _fake_pyspark(root, *, python_side: str, jars: str) -> None:
+    folder = root / "pyspark"
+    (folder / "jars").mkdir(parents=True)
+    (folder / "__init__.py").write_text("")
+    (folder / "version.py").write_text(f'__version__: str = "{python_side}"\n')
+    (folder / "jars" / f"spark-core_2.13-{jars}.jar").write_bytes(b"")
+
+
+def test_a_pyspark_folder_of_two_spark_releases_is_named(monkeypatch, tmp_path) -> None:
+    """pyspark-client of another release laid over the full pyspark: Python and jars disagree."""
+    _fake_pyspark(tmp_path, python_side="4.2.0", jars="4.3.0")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "pyspark", raising=False)
+    finding = doctor._spark_versions()
+    assert not finding.ok
+    assert "pyspark/version.py 4.2.0" in finding.detail and "jars 4.3.0" in finding.detail
+    assert "same release" in finding.detail
+
+
+def test_one_spark_release_everywhere_is_fine() -> None:
+    finding = doctor._spark_versions()
+    assert finding.ok, finding.detail
 
 
 def test_no_java_is_named(monkeypatch, tmp_path) -> None:

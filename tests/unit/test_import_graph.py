@@ -119,3 +119,30 @@ def test_a_cycle_is_found(tmp_path):
     graph = import_graph(module_files(pkg, "pkg"))
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
     assert graph["pkg.d"] == set()  # TYPE_CHECKING imports never run
+
+
+def test_the_airflow_side_imports_no_torch() -> None:
+    """torch is optional on the Airflow side (README: install): a DAG with the operator parses, and
+    the operator, hook, trigger and output helpers import, in a Python where torch cannot import."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["torch"] = None  # any import of torch now raises ImportError
+from airflow.sdk import DAG
+from airflow_provider_torchdist import TorchDistributorHook, TorchDistributorOperator, load_output
+from airflow_provider_torchdist.triggers.torch_distributor import TorchDistributorTrigger
+from airflow_provider_torchdist.doctor import run_checks
+
+def train():
+    return 1
+
+with DAG("no_torch", schedule=None):
+    TorchDistributorOperator(task_id="t", train_object=train, num_processes="{{ params.n }}", local_mode=False)
+TorchDistributorHook(num_processes=2)
+print({f.what: f.ok for f in run_checks()}["torch"])
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"  # doctor names the missing torch

@@ -49,10 +49,14 @@ def test_provider_info_classes_and_modules_import() -> None:
         assert issubclass(import_path(dotted), BaseOperatorLink), dotted
 
 
-def test_connection_form_declares_the_master_web_ui_field() -> None:
+def test_connection_form_declares_the_master_web_ui_and_history_server_fields() -> None:
     """Airflow's UI builds the "PyTorch on Spark" form from provider info alone (no hook import)."""
     from airflow.providers_manager import ProvidersManager
-    from airflow.sdk.providers_manager_runtime import ProvidersManagerTaskRuntime
+
+    try:  # Airflow 3.2+: hooks are the Task SDK's business
+        from airflow.sdk.providers_manager_runtime import ProvidersManagerTaskRuntime
+    except ImportError:  # 3.0 and 3.1 (the lowest-version CI env)
+        ProvidersManagerTaskRuntime = ProvidersManager  # noqa: N806
 
     manager = ProvidersManager()
     widgets = manager.connection_form_widgets
@@ -60,6 +64,9 @@ def test_connection_form_declares_the_master_web_ui_field() -> None:
     assert field.package_name == PACKAGE
     assert field.field["schema"]["title"] == "Master web UI"
     assert "too big for the cluster" in field.field["description"]
+    history = widgets["extra__torchdist_spark__history-server-url"]
+    assert history.field["schema"]["title"] == "Spark history server"
+    assert "gone with the run" in history.field["description"]
     behaviour = manager.field_behaviours["torchdist_spark"]
     assert behaviour["relabeling"] == {"host": "Master"}
     assert "extra" in behaviour["hidden_fields"]

@@ -21,6 +21,7 @@ from airflow_provider_torchdist.settings_checks import CHECKS, build_spec, check
 from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spec import (
     DEFAULT_CONN_ID,
+    LINEAGE,
     OWNER,
     RUN,
     SETTINGS,
@@ -41,7 +42,7 @@ HOOK_SETTINGS = settings_for(RUN, SUBMIT)
 def test_every_setting_declares_its_doc_scope_template_flag_and_a_known_check():
     for name, f in SETTINGS.items():
         assert f.metadata["doc"].strip(), name
-        assert f.metadata["scope"] in (RUN, XCOM, OWNER, SUBMIT), name
+        assert f.metadata["scope"] in (RUN, XCOM, OWNER, LINEAGE, SUBMIT), name
         assert isinstance(f.metadata["templated"], bool), name
         assert f.metadata["check"] in CHECKS, name
     assert TrainingSpec() == build_spec()  # the declared defaults pass their own checks

@@ -373,3 +373,16 @@ def test_an_open_file_is_refused_not_shipped_as_a_silent_copy(tmp_path) -> None:
             pickle_payload(train, [], {})
         with pytest.raises(PayloadNotPicklable, match=r"args\[0\].*an open file"):
             pickle_payload(print, [f], {})
+
+
+def test_the_standard_streams_travel_as_the_ranks_own() -> None:
+    """Not a copy of anything: like cloudpickle, sys.stdout/sys.stderr become the rank's streams.
+    (The interpreter's own ones: pytest's capture has replaced sys.stdout and sys.stderr here.)"""
+    out = sys.__stderr__
+
+    def train():
+        return out
+
+    payload = cloudpickle.loads(pickle_payload(train, [sys.__stdout__], {}))
+    assert payload["fn"]() is sys.stderr
+    assert payload["args"] == (sys.stdout,)
