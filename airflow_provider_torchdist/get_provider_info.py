@@ -101,4 +101,8 @@ def get_provider_info() -> dict[str, Any]:
             "airflow_provider_torchdist.links.SparkMasterAppLink",
             "airflow_provider_torchdist.links.SparkHistoryServerLink",
         ],
+        # The "Training" tab on task instance pages and its JSON endpoint (Airflow 3.1+ external views).
+        "plugins": [
+            {"name": "torchdist", "plugin-class": "airflow_provider_torchdist.ui.plugin.TorchdistPlugin"}
+        ],
     }

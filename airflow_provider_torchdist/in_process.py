@@ -10,6 +10,7 @@ run is :mod:`~airflow_provider_torchdist.run_owner`'s instead.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from airflow.providers.common.compat.sdk import AirflowException
 
@@ -29,16 +30,19 @@ def submit_and_follow(
     *,
     on_line: Callable[[str], None],
     on_application: Callable[[str, str | None], None],
+    on_metric: Callable[[dict[str, Any]], None] = lambda record: None,
 ) -> tuple[Outcome | None, AirflowException | None]:
-    """Run spark-submit to its end, following the driver; returns the driver's outcome (None when
-    it reported none) and spark-submit's error (None when it succeeded)."""
+    """Run spark-submit to its end, following the driver (its lines, application and each
+    ``report()`` record, from the follower's thread); returns the driver's outcome (None when it
+    reported none, else with the complete metric history) and spark-submit's error (None when it
+    succeeded)."""
     submit_error: AirflowException | None = None
     follower = RunFollower(
         staged.dir,
         write_owner_token(staged.dir),
         on_line=on_line,
         on_application=on_application,
-        on_metric=lambda record: None,  # the complete history comes with the outcome
+        on_metric=on_metric,
     )
     follower.start()
     try:

@@ -32,6 +32,7 @@ from airflow_provider_torchdist.lifeline import (
     DoneEvent,
     LifelineError,
     LineEvent,
+    MetricEvent,
     OwnerConnection,
     RunGone,
     RunStatus,
@@ -175,16 +176,19 @@ def follow_to_end(
     *,
     on_line: Callable[[str], None],
     on_application: Callable[[str, str | None], None],
+    on_metric: Callable[[dict[str, Any]], None] = lambda record: None,
 ) -> RunStatus:
     """Read the run's events as its owner until it ends: its log lines to ``on_line``, its
-    application to ``on_application``; returns its final status. Raises :class:`SparkSubmitFailed`
-    when the lifeline ends without one."""
+    application to ``on_application``, each ``report()`` record to ``on_metric``; returns its final
+    status. Raises :class:`SparkSubmitFailed` when the lifeline ends without one."""
     status = None
     for event in owner.events():
         if isinstance(event, LineEvent):
             on_line(event.text)
         elif isinstance(event, AppEvent):
             on_application(event.app_id, event.ui_url)
+        elif isinstance(event, MetricEvent):
+            on_metric(event.record)
         elif isinstance(event, DoneEvent):
             status = event.status
     if status is None:

@@ -127,12 +127,16 @@ def _write_private(path: Path, data: bytes) -> None:
 
 
 def _spark_zip(dest: Path) -> None:
-    """Zip the Spark side of this package for ``--py-files``: the cluster installs nothing."""
+    """Zip the Spark side of this package for ``--py-files``: the cluster installs nothing.
+
+    ``callbacks/`` goes too: the framework callbacks run inside the ranks, in the training code.
+    """
     with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED) as zf:
         zf.write(PACKAGE_DIR / "__init__.py", "airflow_provider_torchdist/__init__.py")
         zf.write(PACKAGE_DIR / "spec.py", "airflow_provider_torchdist/spec.py")  # JobSpec's base
-        for path in sorted((PACKAGE_DIR / "spark").glob("*.py")):
-            zf.write(path, f"airflow_provider_torchdist/spark/{path.name}")
+        for package in ("spark", "callbacks"):
+            for path in sorted((PACKAGE_DIR / package).glob("*.py")):
+                zf.write(path, f"airflow_provider_torchdist/{package}/{path.name}")
     os.chmod(dest, 0o600)
 
 

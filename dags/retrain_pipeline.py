@@ -6,7 +6,9 @@
   tensor file and returns its path.
 - ``train`` runs :func:`train` on 2 ranks (DDP over gloo) with :class:`TorchDistributorOperator`;
   rank 0's ``{"state_dict", "loss", ...}`` comes back through XCom as an envelope, and the loss
-  history that :func:`report` sent goes to the XCom key ``metrics``.
+  history that :func:`report` sent goes to the XCom key ``metrics`` (as it grows, and whole at the
+  end). It declares the trained model as an asset, ``torchdist://models/retrain``: its success
+  triggers the ``evaluate_model`` DAG, which reads the run's final metrics from the asset event.
 - ``evaluate`` decodes the candidate with :func:`load_output` and scores it, and the current
   model, on the same validation split.
 - ``choose`` promotes the candidate only when it beats the current model; the first run always
@@ -27,12 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import pendulum
-from airflow.sdk import dag, get_current_context, task
+from airflow.sdk import Asset, dag, get_current_context, task
 
 from airflow_provider_torchdist import TorchDistributorOperator, load_output, report
 
 FEATURES = 4
 CURRENT_MODEL = "current.pt"
+#: The trained model: each successful ``train`` emits an event for it (``dags/evaluate_model.py``).
+MODEL = Asset("torchdist://models/retrain")
 
 
 def data_dir() -> Path:
@@ -84,7 +88,8 @@ def train(data_path: str, lr: float = 0.1, epochs: int = 60) -> dict[str, Any]:
         dist.all_reduce(global_loss)
         global_loss /= world_size
         if epoch % 10 == 0 or epoch == epochs - 1:
-            report(step=epoch, loss=global_loss)  # only rank 0's reports are kept
+            # Only rank 0's reports are kept; total_steps lets a progress view show how far along it is.
+            report(step=epoch, total_steps=epochs, loss=global_loss)
             print(f"epoch {epoch} shard loss {loss.item():.5f}")
     result = {
         "rank": rank,
@@ -142,6 +147,7 @@ def retrain_pipeline():
         num_processes=2,
         local_mode=False,
         use_gpu=False,
+        outlets=[MODEL],  # the event's extra: final metrics, output type and size, world size, duration
     )
 
     @task

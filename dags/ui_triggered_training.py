@@ -53,7 +53,7 @@ def train(lr: str | float, epochs: str | int = 5) -> dict[str, Any]:
             optimizer.step()
             losses.append(loss.item())
         epoch_loss = sum(losses) / len(losses)
-        report(step=epoch, loss=epoch_loss)
+        report(step=epoch, total_steps=epochs, loss=epoch_loss)
         print(f"epoch {epoch} loss {epoch_loss:.5f}")
     result = {
         "rank": rank,

@@ -26,7 +26,7 @@ from airflow_provider_torchdist.connection import CONN_TYPE, SparkTarget, resolv
 from airflow_provider_torchdist.fast_start import FastStart
 from airflow_provider_torchdist.hook_arguments import HOOK_SETTINGS, hook_signature, spec_from_arguments
 from airflow_provider_torchdist.in_process import end_submission, raise_for_outcome, submit_and_follow
-from airflow_provider_torchdist.lifeline import LifelineError, OwnerConnection
+from airflow_provider_torchdist.lifeline import LifelineError, OwnerConnection, RunStatus
 from airflow_provider_torchdist.links import ApplicationLinks
 from airflow_provider_torchdist.masking import mask_setting_secrets
 from airflow_provider_torchdist.run_owner import (
@@ -101,8 +101,14 @@ class TorchDistributorHook(BaseHook):
         #: pushes them to XCom for the extra links.
         self.on_application: Callable[[ApplicationLinks], None] | None = None
         self.application_id: str | None = None
-        #: What the last run's training code reported with ``report()``, in order.
+        #: What the last run's training code reported with ``report()``, in order; it grows while
+        #: the run trains.
         self.metrics: list[dict[str, Any]] = []
+        #: Called with ``metrics`` each time it grows while the run trains (from the thread that
+        #: follows the run); the operator pushes it to XCom, throttled.
+        self.on_metrics: Callable[[list[dict[str, Any]]], None] | None = None
+        #: The supervised run's final status, once :meth:`follow` has seen it end.
+        self.run_status: RunStatus | None = None
         self.plan: SubmitPlan | None = None
         #: The last run's spark-submit (its ``session`` is spark-submit's session id, once started).
         self.submission: Submission | None = None
@@ -226,7 +232,9 @@ class TorchDistributorHook(BaseHook):
         """Own the run to its end, then hand ``handle`` rank 0's output file (None for a script).
 
         The run's log lines go to this hook's log (the kept ones from line ``since`` on first, when
-        this is a new owner), its application to ``on_application``, its metrics to ``metrics``.
+        this is a new owner), its application to ``on_application``, its metrics to ``metrics`` (the
+        history so far when this owner connected, then each new record; ``on_metrics`` hears of
+        each), and its final status to ``run_status``.
         A failed run raises what :meth:`run` would raise. The run is released (torn down) once the
         output is handled; when ``handle`` fails, it is kept for the next owner.
         """
@@ -234,14 +242,18 @@ class TorchDistributorHook(BaseHook):
         if owner is None:
             owner = connect_owner(record, since=since)
         self._owner, self.record = owner, record
+        self.metrics, self.run_status = list(owner.status.metrics), None
+        if self.metrics and self.on_metrics and not owner.status.ended:
+            self.on_metrics(self.metrics)  # a new owner of a run under way: the history so far at once
         try:
             status = follow_to_end(
                 owner,
                 record.run_id,
                 on_line=lambda text: self.log.info("%s", text),
                 on_application=self._application_started,
+                on_metric=self._metric_reported,
             )
-            self.metrics = list(status.metrics)
+            self.metrics, self.run_status = list(status.metrics), status
             if self._fast is not None:
                 self._fast.finish()
                 self._fast = None
@@ -258,10 +270,16 @@ class TorchDistributorHook(BaseHook):
 
     def _submit(self, plan: SubmitPlan, staged: StagedRun) -> None:
         self.submission = Submission(plan)
+        self.metrics = []
         outcome, submit_error = submit_and_follow(
-            self.submission, staged, on_line=self.log.info, on_application=self._application_started
+            self.submission,
+            staged,
+            on_line=self.log.info,
+            on_application=self._application_started,
+            on_metric=self._metric_reported,
         )
-        self.metrics = outcome.metrics if outcome else []
+        if outcome is not None:  # the complete history (without one, what was followed live)
+            self.metrics = outcome.metrics
         raise_for_outcome(outcome, submit_error, staged)
 
     def _application_started(self, app_id: str, ui_url: str | None) -> None:
@@ -278,6 +296,11 @@ class TorchDistributorHook(BaseHook):
                     history_server=self.target.history_server,
                 )
             )
+
+    def _metric_reported(self, record: dict[str, Any]) -> None:
+        self.metrics.append(record)
+        if self.on_metrics:
+            self.on_metrics(self.metrics)
 
     # -- stopping -----------------------------------------------------------------------------
 

@@ -7,7 +7,9 @@ import contextlib
 import json
 import queue
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,10 +70,20 @@ class RunState:
     """What the supervisor knows of its run; the lifeline serves it. Thread-safe, no sockets.
 
     The supervisor feeds it (``add_line``, ``set_application``, ``add_metric``, ``set_running``,
-    ``finish``); every owner's stream is a subscription to it (``subscribe``).
+    ``finish``); every owner's stream is a subscription to it (``subscribe``). Its status carries
+    the metric history so far and the time since it was made (``clock``: the supervisor's start),
+    so that a status query shows a deferred run's progress with no owner in between.
     """
 
-    def __init__(self, replay_lines: int = REPLAY_LINES, queue_limit: int = OWNER_QUEUE_LIMIT) -> None:
+    def __init__(
+        self,
+        replay_lines: int = REPLAY_LINES,
+        queue_limit: int = OWNER_QUEUE_LIMIT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
+        self._started = clock()
+        self._ended: float | None = None
         self._lock = threading.Lock()
         self._lines: deque[tuple[int, bytes]] = deque(maxlen=replay_lines)
         self._seq = 0
@@ -136,6 +148,7 @@ class RunState:
             if self._state in ENDED_STATES:
                 return False
             self._state, self._error = state, error
+            self._ended = self._clock()
             self._error_kind = (error_kind or "run") if state == "failed" else None
             self._failures = [_trimmed_failure(f) for f in failures or []]
             if metrics is not None:
@@ -190,6 +203,7 @@ class RunState:
 
     def _status(self) -> RunStatus:
         app_id, ui_url = self._app or (None, None)
+        until = self._ended if self._ended is not None else self._clock()
         return RunStatus(
             state=self._state,
             app_id=app_id,
@@ -197,9 +211,10 @@ class RunState:
             error=self._error,
             error_kind=self._error_kind,
             failures=list(self._failures),
-            metrics=_newest_that_fit(self._metrics, METRICS_BUDGET_BYTES),
+            metrics=newest_that_fit(self._metrics, METRICS_BUDGET_BYTES),
             output=self._output,
             last_seq=self._seq,
+            elapsed_s=round(max(0.0, until - self._started), 3),
         )
 
     def _done_message(self) -> bytes:
@@ -216,7 +231,10 @@ def _trimmed_failure(failure: dict[str, Any]) -> dict[str, Any]:
     return failure
 
 
-def _newest_that_fit(records: list[dict[str, Any]], budget: int) -> list[dict[str, Any]]:
+def newest_that_fit(
+    records: list[dict[str, Any]], budget: int = METRICS_BUDGET_BYTES
+) -> list[dict[str, Any]]:
+    """The newest of ``records`` whose JSON fits in ``budget`` bytes, in order (what a status carries)."""
     kept: list[dict[str, Any]] = []
     for record in reversed(records):
         try:

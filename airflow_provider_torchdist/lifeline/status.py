@@ -4,6 +4,7 @@ checks it (strictly: a status that is not what :meth:`RunStatus.to_dict` writes 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,13 +52,20 @@ def _valid_output(value: Any) -> bool:
     )
 
 
+def _is_seconds(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+
+
 @dataclass(frozen=True)
 class RunStatus:
     """Where a supervised run stands. ``failures`` are :class:`RankFailure` dicts; ``output`` is
     ``{"format", "type", "size", "sha256"}`` of rank 0's output (None: none, or not yet).
     ``error_kind`` says what failed, as the in-process path tells it apart: ``"training"`` (the
     driver reported the failed outcome: :class:`TrainingFailed`), ``"run"`` (spark-submit, the
-    application or the supervisor ended it first: :class:`SparkSubmitFailed`); None unless failed."""
+    application or the supervisor ended it first: :class:`SparkSubmitFailed`); None unless failed.
+    ``metrics`` is the ``report()`` history so far (the newest records that fit), live while the run
+    trains. ``elapsed_s`` is how long the run has gone on since its supervisor started: its duration
+    once it has ended."""
 
     state: str
     app_id: str | None = None
@@ -68,6 +76,7 @@ class RunStatus:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     output: dict[str, Any] | None = None
     last_seq: int = 0
+    elapsed_s: float = 0.0
 
     @property
     def ended(self) -> bool:
@@ -85,12 +94,15 @@ class RunStatus:
             "metrics": [dict(m) for m in self.metrics],
             "output": None if self.output is None else dict(self.output),
             "last_seq": self.last_seq,
+            "elapsed_s": self.elapsed_s,
         }
 
     @classmethod
     def from_dict(cls, data: Any) -> RunStatus:
         """A status as :meth:`to_dict` wrote it; :class:`MalformedMessage` for anything else."""
         _require(isinstance(data, dict), f"a status must be an object, got {type(data).__name__}")
+        # A supervisor of an earlier release (a run started before an upgrade) sends no elapsed_s.
+        data = {"elapsed_s": 0.0, **data}
         _exact_keys(data, {f.name for f in dataclasses.fields(cls)}, "malformed status")
         problems = [
             name
@@ -110,6 +122,7 @@ class RunStatus:
                 ),
                 ("output", data["output"] is None or _valid_output(data["output"])),
                 ("last_seq", _is_int(data["last_seq"]) and data["last_seq"] >= 0),
+                ("elapsed_s", _is_seconds(data["elapsed_s"])),
             )
             if not ok
         ]

@@ -21,6 +21,7 @@ from airflow_provider_torchdist.errors import SparkSubmitFailed
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.lineage import inject_openlineage
 from airflow_provider_torchdist.links import SparkHistoryServerLink, SparkMasterAppLink, SparkUILink
+from airflow_provider_torchdist.outlet_events import run_extra, set_outlet_extra
 from airflow_provider_torchdist.preflight import check_output_path
 from airflow_provider_torchdist.run_owner import (
     ACTIVE_STATES,
@@ -30,7 +31,8 @@ from airflow_provider_torchdist.run_owner import (
     stop_abandoned,
 )
 from airflow_provider_torchdist.run_record import RECORD_KEY, RunRecord
-from airflow_provider_torchdist.run_xcom import link_pusher, output_handler
+from airflow_provider_torchdist.run_xcom import METRICS_XCOM_KEY as METRICS_XCOM_KEY  # public since 0.1
+from airflow_provider_torchdist.run_xcom import link_pusher, metrics_pusher, output_handler
 from airflow_provider_torchdist.settings_checks import build_spec, check_settings
 from airflow_provider_torchdist.spec import (
     SETTINGS,
@@ -42,8 +44,6 @@ from airflow_provider_torchdist.spec import (
 from airflow_provider_torchdist.triggers.torch_distributor import TorchDistributorTrigger
 from airflow_provider_torchdist.validation import check_args, check_train_object, is_template
 
-#: XCom key of the list of ``report()`` records: ``[{"rank": 0, "step": 3, "time": ..., "loss": 0.12}, ...]``.
-METRICS_XCOM_KEY = "metrics"
 path_component = run_paths.path_component  # public since 0.1
 #: The ``[openlineage]`` options that default the OpenLineage settings, as for SparkSubmitOperator's
 #: arguments of the same names.
@@ -293,20 +293,28 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         return self._hook.spec
 
     def _follow(self, record: RunRecord, context: Any) -> Any:
-        """Follow the run to its end as its owner and turn rank 0's output into the XCom value."""
+        """Follow the run to its end as its owner and turn rank 0's output into the XCom value; the
+        metric history goes to XCom as it grows (throttled) and whole at the end, and a succeeded
+        run's summary into the events of the ``outlets`` assets."""
         hook = self._hook
         assert hook is not None
         ti = context["ti"]
         hook.on_application = link_pusher(ti)
+        metrics = metrics_pusher(ti)
+        hook.on_metrics = metrics.offer
         try:
-            return hook.follow(record, output_handler(ti, hook.spec))
+            value = hook.follow(record, output_handler(ti, hook.spec))
         except Exception:
             stop_abandoned(record, context["ti"].try_number <= (self.retries or 0), self.log)
             raise
         finally:
             # The metric history is worth having after a failure too (the last loss before it).
-            if hook.metrics:
-                ti.xcom_push(key=METRICS_XCOM_KEY, value=hook.metrics)
+            metrics.close(hook.metrics or None)
+        if self.outlets and hook.run_status is not None:
+            set_outlet_extra(
+                context, self.outlets, run_extra(hook.run_status, value, hook.spec.num_processes)
+            )
+        return value
 
     def default_checkpoint_dir(self, context: Any) -> str:
         """``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>[@map]`` (see :mod:`run_paths`)."""

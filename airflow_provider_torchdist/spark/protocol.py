@@ -202,7 +202,7 @@ class MasterAnswer(Message):
 
 @dataclass(frozen=True)
 class Metric(Message):
-    """One ``report()`` record: ``{"rank", "step", "time", name: number, ...}``."""
+    """One ``report()`` record: ``{"rank", "step", "time", ["total_steps",] name: number, ...}``."""
 
     KIND = "metric"
     SCHEMA = (("record", "m", (dict,), False),)

@@ -25,7 +25,13 @@ pytestmark = pytest.mark.integration
 
 HERE = Path(__file__).parent
 DAGS = HERE.parent.parent / "dags"
-EXPECTED_DAG_IDS = {"example_torchdist", "retrain_pipeline", "ui_triggered_training", "script_training"}
+EXPECTED_DAG_IDS = {
+    "example_torchdist",
+    "retrain_pipeline",
+    "ui_triggered_training",
+    "script_training",
+    "evaluate_model",
+}
 # Not the DAG's defaults (2 ranks, distributed, 0.1, 20 epochs), so the result shows the conf won.
 PARAMS_CONF = {"num_processes": 3, "local_mode": True, "learning_rate": 0.05, "epochs": 5}
 REFUSED_CONF = {"num_processes": 9}
@@ -90,6 +96,12 @@ def test_retrain_pipeline_shape(dagbag: Any) -> None:
     assert dag.timetable.expression == "0 0 * * *"  # @daily
     assert dag.get_task("train").upstream_task_ids == {"prepare_data"}
     assert dag.get_task("choose").downstream_task_ids == {"promote", "skip_promotion"}
+
+
+def test_evaluate_model_is_scheduled_on_the_model_retrain_pipeline_trains(dagbag: Any) -> None:
+    [model] = dagbag.dags["retrain_pipeline"].get_task("train").outlets
+    assert model.uri == "torchdist://models/retrain"
+    assert dagbag.dags["evaluate_model"].timetable.asset_condition.objects == (model,)
 
 
 @pytest.mark.parametrize(
@@ -191,6 +203,16 @@ def test_retrain_pipeline_promotes_on_its_first_run(runs: Runs) -> None:
     state_dict = torch.load(current)
     assert state_dict["weight"].shape == (1, 4)
     assert runs.xcom("retrain_pipeline", "promote") == str(current)
+    # The trained model's asset event: its extra describes the run (what evaluate_model reads).
+    [(uri, extra)] = runs.query(
+        "SELECT a.uri, e.extra FROM asset_event e JOIN asset a ON a.id = e.asset_id WHERE e.source_run_id=?",
+        runs.states["retrain_pipeline"]["run_id"],
+    )
+    extra = json.loads(extra)
+    assert uri == "torchdist://models/retrain"
+    assert extra["metrics"] == {"loss": metrics[-1]["loss"]} and extra["step"] == 59
+    assert (extra["output_type"], extra["output_format"], extra["world_size"]) == ("dict", "cloudpickle", 2)
+    assert extra["output_size"] > 0 and extra["duration_s"] > 0 and "output_ref" not in extra
 
 
 def test_params_dag_trains_with_the_conf(runs: Runs) -> None:

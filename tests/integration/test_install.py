@@ -135,7 +135,7 @@ def test_an_installed_torch_in_the_range_is_kept(tmp_path: Path) -> None:
     source = _source_copy(tmp_path / "src")
     python = _venv(tmp_path / "venv")
     # This machine's pip config caps torch at the builds on its disk; a user's pip has no such cap.
-    env = {**os.environ, "PIP_CONSTRAINT": ""}
+    env = {**os.environ, "PIP_CONSTRAINT": os.devnull}
     _pip_install(python, "--no-index", str(_stand_in_torch(tmp_path, "2.99.0")), env=env)
     assert _installed(python, "torch") == "2.99.0"
 

@@ -66,6 +66,7 @@ def test_the_readme_rest_quick_start_runs_as_written(tmp_path: Path, no_leftover
         values = dict(
             line.split("=", 1) for line in out.splitlines() if line.startswith(("RUN_ID=", "TOKEN="))
         )
+        assert "is_paused: False" in out, out
         assert values.get("RUN_ID", "").startswith("manual__"), out
         assert values.get("TOKEN"), out
 

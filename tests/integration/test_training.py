@@ -63,6 +63,8 @@ def fail_on_rank_one() -> int:
 @pytest.mark.parametrize("local_mode", MODES)
 def test_callable_returns_rank_zero_value(local_mode: bool, capfd: pytest.CaptureFixture[str]) -> None:
     hook = TorchDistributorHook(num_processes=2, local_mode=local_mode, use_gpu=False)
+    heard: list[list[dict]] = []  # what on_metrics was told while the run trained
+    hook.on_metrics = lambda metrics: heard.append(list(metrics))
     result = hook.run(train_and_report, 2.0, offset=1.0)
 
     assert result["rank"] == 0
@@ -71,6 +73,7 @@ def test_callable_returns_rank_zero_value(local_mode: bool, capfd: pytest.Captur
     assert torch.equal(result["tensor"], torch.tensor([1.0, 3.0, 5.0]))
     assert result["torch_threads"] == 1  # not the agent's pool, sized before OMP_NUM_THREADS was set
     assert [(m["rank"], m["step"], m["loss"]) for m in hook.metrics] == [(0, 1, 0.5)]
+    assert heard == [hook.metrics]
     logs = capfd.readouterr()
     text = logs.out + logs.err
     assert "[rank 0 @ 127.0.0.1] hello from rank 0 of 2" in text

@@ -256,3 +256,40 @@ def inline_supervisor(monkeypatch: pytest.MonkeyPatch) -> list[object]:
 
     monkeypatch.setattr(run_owner, "start_detached", start_detached)
     return started
+
+
+# -- the operator's execute, with spark-submit played in-process -------------------------------------
+
+
+class FakeTI:
+    """What the operator uses of a task instance; ``pushed`` holds the last value of each XCom key."""
+
+    dag_id, run_id, task_id, map_index, try_number = "d", "manual__1", "train", -1, 1
+    stats_tags: dict = {}  # noqa: RUF012 (read by ResumableJobMixin)
+
+    def __init__(self):
+        self.pushed: dict = {}
+
+    def xcom_push(self, key, value):
+        self.pushed[key] = value
+
+
+@pytest.fixture
+def faked_spark(monkeypatch, fake_spark, inline_supervisor):
+    """spark-submit played in-process (``FakeSpark``) for every run; records each hook the operator
+    makes (``make_hook``, its public seam) under ``"hooks"``."""
+    from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
+    from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
+    from airflow_provider_torchdist.spark.outcome import Outcome
+
+    fake_spark.outcome = Outcome(ok=True, metrics=[{"rank": 0, "step": 0, "loss": 1.0}])
+    hooks: list[TorchDistributorHook] = []
+    real = TorchDistributorOperator.make_hook
+
+    def make_hook(self, context=None):
+        hooks.append(real(self, context))
+        return hooks[-1]
+
+    monkeypatch.setattr(TorchDistributorOperator, "make_hook", make_hook)
+    fake_spark.hooks = hooks
+    return fake_spark

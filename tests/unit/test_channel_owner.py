@@ -102,6 +102,8 @@ def test_the_application_event_comes_first_and_live(tmp_path):
     with make_channel(tmp_path, io.StringIO()) as channel:
         early = Follower(channel)
         channel.say("distributed mode")
+        # The follower connects in its thread: once it has the line (live or replayed), it is live.
+        wait_until(lambda: len(early.events) == 1, what="the early owner to connect")
         channel.application("app-20240101-0001", "http://driver:4040")
         wait_until(lambda: len(early.events) == 3, what="the live application")
         late = Follower(channel)

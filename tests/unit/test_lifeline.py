@@ -108,7 +108,7 @@ def hello(**fields: Any) -> bytes:
 
 
 def test_an_owner_authenticates_both_ways_and_gets_the_status(served):
-    state = RunState()
+    state = RunState(clock=lambda: 7.0)  # a still clock: no time elapses
     state.add_line("one")
     state.set_application("app-7", "http://ui")
     server = served(state)
@@ -289,6 +289,29 @@ def test_status_round_trips_and_is_checked_strictly():
             RunStatus.from_dict({**status.to_dict(), **bad})
     with pytest.raises(MalformedMessage, match="missing \\['last_seq'\\]"):
         RunStatus.from_dict({k: v for k, v in status.to_dict().items() if k != "last_seq"})
+
+
+def test_a_status_query_shows_the_metric_history_so_far_and_the_time_elapsed(served):
+    """A deferred run has no task process: its progress is what a status query returns."""
+    now = [100.0]
+    state = RunState(clock=lambda: now[0])
+    server = served(state)
+    state.set_running()
+    state.add_metric({"rank": 0, "step": 0, "loss": 1.0})
+    now[0] = 102.5
+    state.add_metric({"rank": 0, "step": 1, "loss": 0.5})
+    status = query_status(*server.address, RUN, SECRET)
+    assert (status.state, status.elapsed_s) == ("running", 2.5)
+    assert [m["step"] for m in status.metrics] == [0, 1]
+    now[0] = 110.0
+    state.finish("succeeded")
+    now[0] = 500.0  # the duration of an ended run stays what it was
+    assert query_status(*server.address, RUN, SECRET).elapsed_s == 10.0
+    with pytest.raises(MalformedMessage, match="elapsed_s"):
+        RunStatus.from_dict({**status.to_dict(), "elapsed_s": -1})
+    # A supervisor of an earlier release sends none: a run started before an upgrade still reattaches.
+    earlier = {k: v for k, v in status.to_dict().items() if k != "elapsed_s"}
+    assert RunStatus.from_dict(earlier).elapsed_s == 0.0
 
 
 def test_a_failed_run_says_whether_training_or_the_run_around_it_failed():

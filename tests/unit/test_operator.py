@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.operators.torch_distributor import METRICS_XCOM_KEY, TorchDistributorOperator
 from airflow_provider_torchdist.results import (
     ENVELOPE_KEY,
@@ -16,7 +15,7 @@ from airflow_provider_torchdist.results import (
     output_origin,
 )
 from airflow_provider_torchdist.spark.outcome import Outcome, RankFailure
-from tests.unit.conftest import plan_without_a_run
+from tests.unit.conftest import FakeTI, plan_without_a_run
 
 
 def _train(x=1, scale=1):
@@ -170,34 +169,6 @@ def test_script_path_is_rendered(tmp_path):
 
 
 # -- execute ------------------------------------------------------------------------------------
-
-
-class FakeTI:
-    dag_id, run_id, task_id, map_index, try_number = "d", "manual__1", "train", -1, 1
-    stats_tags: dict = {}  # noqa: RUF012 (read by ResumableJobMixin)
-
-    def __init__(self):
-        self.pushed: dict = {}
-
-    def xcom_push(self, key, value):
-        self.pushed[key] = value
-
-
-@pytest.fixture
-def faked_spark(monkeypatch, fake_spark, inline_supervisor):
-    """spark-submit played in-process (``FakeSpark``) for every run; records each hook the operator
-    makes (``make_hook``, its public seam) under ``"hooks"``."""
-    fake_spark.outcome = Outcome(ok=True, metrics=[{"rank": 0, "step": 0, "loss": 1.0}])
-    hooks: list[TorchDistributorHook] = []
-    real = TorchDistributorOperator.make_hook
-
-    def make_hook(self, context=None):
-        hooks.append(real(self, context))
-        return hooks[-1]
-
-    monkeypatch.setattr(TorchDistributorOperator, "make_hook", make_hook)
-    fake_spark.hooks = hooks
-    return fake_spark
 
 
 def _tensor_train(n, scale=1.0):

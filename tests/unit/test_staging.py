@@ -313,11 +313,15 @@ def test_spark_zip_holds_the_spark_side_without_airflow(tmp_path):
     finally:
         staged.cleanup()
     # spec.py: TrainingSpec, the base of the JobSpec the driver reads.
+    # callbacks/: the framework callbacks run in the ranks' training code.
     expected = {"airflow_provider_torchdist/__init__.py", "airflow_provider_torchdist/spec.py"} | {
-        f"airflow_provider_torchdist/spark/{p.name}" for p in (PACKAGE_DIR / "spark").glob("*.py")
+        f"airflow_provider_torchdist/{package}/{p.name}"
+        for package in ("spark", "callbacks")
+        for p in (PACKAGE_DIR / package).glob("*.py")
     }
     assert names == expected
     assert "airflow_provider_torchdist/spark/driver.py" in names
+    assert "airflow_provider_torchdist/callbacks/lightning_report.py" in names
     assert "airflow_provider_torchdist/spark/rank.py" in names
     for name, source in sources.items():
         assert not _AIRFLOW_IMPORT.search(source), f"{name} imports airflow"
@@ -333,7 +337,7 @@ def test_spark_zip_imports_with_airflow_unavailable(tmp_path):
         f"airflow_provider_torchdist.spark.{p.stem}"
         for p in (PACKAGE_DIR / "spark").glob("*.py")
         if p.stem not in ("__init__", "launcher")  # launcher imports torch: slow, and grep covers it
-    )
+    ) + ["airflow_provider_torchdist.callbacks.scalars"]  # the callbacks' own modules import a framework
     code = textwrap.dedent(
         f"""
         import importlib, sys

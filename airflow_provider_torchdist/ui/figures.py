@@ -1,0 +1,120 @@
+"""What the Training view shows of one task instance: :func:`training_figures`, a pure function of
+the task's state, its ``report()`` history and its world size, as the JSON endpoint answers it.
+
+Example::
+
+    training_figures(
+        "running",
+        [{"rank": 0, "step": 0, "time": 100.0, "total_steps": 10, "loss": 0.9},
+         {"rank": 0, "step": 3, "time": 106.0, "total_steps": 10, "loss": 0.4}],
+        world_size=2,
+        source="live",
+    )
+    # {"state": "running", "source": "live", "world_size": 2,
+    #  "metrics": [{"step": 0, "time": 100.0, "loss": 0.9}, {"step": 3, "time": 106.0, "loss": 0.4}],
+    #  "progress": {"step": 3, "total_steps": 10, "fraction": 0.4, "eta_seconds": 12.0}}
+
+The steps are counted from 0, as ``for step in range(total_steps)`` reports them: the record of
+step 3 says 4 of 10 steps are done. The ETA is the time per step so far (from the first record to
+the latest, both with ``total_steps``) times the steps left.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from airflow_provider_torchdist.spark.metrics import RECORD_FIELDS
+
+#: Task instance states after which nothing more is reported: the view stops refreshing.
+FINISHED_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")
+
+
+def _json_number(value: Any) -> float | int | None:
+    """A metric value the JSON answer can carry: NaN and infinities (report() keeps them) as null."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def charted_records(history: list[Any]) -> list[dict[str, Any]]:
+    """The records of the rank the view charts: rank 0's, or the lowest reporting rank's when rank 0
+    reported nothing (``report(all_ranks=True)`` from other ranks only); anything but a record is
+    left out."""
+    records = [r for r in history if isinstance(r, dict)]
+    ranks = sorted({r.get("rank") for r in records if _is_step(r.get("rank"))})
+    if not ranks:
+        return records
+    return [r for r in records if r.get("rank") == ranks[0]]
+
+
+def metric_points(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``{"step", "time", <metric>: value, ...}`` per record: the record's own fields but the step
+    and time left out, values JSON-safe."""
+    points = []
+    for record in records:
+        point: dict[str, Any] = {
+            "step": record.get("step") if _is_step(record.get("step")) else None,
+            "time": _json_number(record.get("time")),
+        }
+        for name, value in record.items():
+            if name not in RECORD_FIELDS and isinstance(name, str):
+                point[name] = _json_number(value)
+        points.append(point)
+    return points
+
+
+def progress(records: list[dict[str, Any]], state: str | None) -> dict[str, Any]:
+    """``{"step", "total_steps", "fraction", "eta_seconds"}`` from the latest record that gives
+    ``total_steps``; without one, only the latest step is known (the others are null)."""
+    latest_step = next((r["step"] for r in reversed(records) if _is_step(r.get("step"))), None)
+    counted = [
+        r
+        for r in records
+        if _is_step(r.get("total_steps")) and r["total_steps"] > 0 and _is_step(r.get("step"))
+    ]
+    if not counted:
+        return {"step": latest_step, "total_steps": None, "fraction": None, "eta_seconds": None}
+    last = counted[-1]
+    total, step = last["total_steps"], last["step"]
+    done = min(max(step + 1, 0), total)
+    return {
+        "step": step,
+        "total_steps": total,
+        "fraction": round(done / total, 4),
+        "eta_seconds": _eta(counted, done, total, state),
+    }
+
+
+def _eta(counted: list[dict[str, Any]], done: int, total: int, state: str | None) -> float | None:
+    if state == "success" or done >= total:
+        return 0.0
+    if state in FINISHED_STATES:
+        return None  # failed or skipped: nothing is coming
+    timed = [r for r in counted if _json_number(r.get("time")) is not None]
+    if len(timed) < 2:
+        return None
+    first, last = timed[0], timed[-1]
+    steps, seconds = last["step"] - first["step"], last["time"] - first["time"]
+    if steps <= 0 or seconds < 0:
+        return None
+    return round((total - done) * seconds / steps, 1)
+
+
+def training_figures(
+    state: str | None, history: list[Any], world_size: int | None, source: str | None
+) -> dict[str, Any]:
+    """The JSON endpoint's answer for one task instance (see the module docstring); ``source`` says
+    where ``history`` came from: ``"live"`` (the run's supervisor) or ``"xcom"``."""
+    records = charted_records(history)
+    return {
+        "state": state,
+        "source": source,
+        "world_size": world_size,
+        "metrics": metric_points(records),
+        "progress": progress(records, state),
+    }

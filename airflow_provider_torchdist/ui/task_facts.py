@@ -1,0 +1,147 @@
+"""What Airflow and the run's lifeline know of one task instance, for the Training view.
+
+:class:`AirflowTaskFacts` reads the metadata DB in the API server: the task instance's state, its
+XCom ``metrics``, its run record (``task_state_store`` key ``torchdist_run``) and its rendered
+``num_processes`` (the world size). :func:`live_history` asks the run's supervisor for the history
+so far: while a run is deferred no task process pushes XCom, and the supervisor has every report
+as it happens. :func:`metric_history` chooses between the two.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from airflow_provider_torchdist.run_record import RECORD_KEY
+from airflow_provider_torchdist.run_xcom import METRICS_XCOM_KEY
+from airflow_provider_torchdist.ui.figures import FINISHED_STATES
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+#: How long the view waits for a run's supervisor before it shows XCom's history instead.
+LIVE_TIMEOUT_S = 3.0
+
+#: ``live_history``'s signature: a stored run record in, the run's history (None: not live) out.
+LiveHistory = Callable[[Any], "list[dict[str, Any]] | None"]
+
+
+@dataclass(frozen=True)
+class TaskFacts:
+    """One task instance as the view needs it. ``history`` is XCom ``metrics`` (empty when none);
+    ``run_record`` is the stored run record as stored (None when none)."""
+
+    state: str | None
+    history: list[Any] = field(default_factory=list)
+    run_record: Any = None
+    world_size: int | None = None
+
+
+class TaskFactsReader(Protocol):
+    def read(self, dag_id: str, run_id: str, task_id: str, map_index: int) -> TaskFacts | None:
+        """The task instance's facts; None when there is no such task instance."""
+        ...
+
+
+def world_size_of(rendered_fields: Any) -> int | None:
+    """The rendered ``num_processes`` (the operator's world size); None when it is not there."""
+    value = rendered_fields.get("num_processes") if isinstance(rendered_fields, dict) else None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+class AirflowTaskFacts:
+    """:class:`TaskFactsReader` over Airflow's metadata DB (the API server's session)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def read(self, dag_id: str, run_id: str, task_id: str, map_index: int) -> TaskFacts | None:
+        from airflow.models.renderedtifields import RenderedTaskInstanceFields as RTIF
+        from airflow.models.taskinstance import TaskInstance as TI
+        from sqlalchemy import select
+
+        row = self.session.execute(
+            select(TI.state).where(
+                TI.dag_id == dag_id, TI.run_id == run_id, TI.task_id == task_id, TI.map_index == map_index
+            )
+        ).one_or_none()
+        if row is None:
+            return None
+        rendered = self.session.scalar(
+            select(RTIF.rendered_fields).where(
+                RTIF.dag_id == dag_id,
+                RTIF.run_id == run_id,
+                RTIF.task_id == task_id,
+                RTIF.map_index == map_index,
+            )
+        )
+        history = self._xcom_history(dag_id, run_id, task_id, map_index)
+        return TaskFacts(
+            state=None if row.state is None else str(getattr(row.state, "value", row.state)),
+            history=history,
+            run_record=self._run_record(dag_id, run_id, task_id, map_index),
+            world_size=world_size_of(rendered),
+        )
+
+    def _xcom_history(self, dag_id: str, run_id: str, task_id: str, map_index: int) -> list[Any]:
+        from airflow.models.xcom import XComModel
+
+        query = XComModel.get_many(
+            run_id=run_id,
+            key=METRICS_XCOM_KEY,
+            task_ids=task_id,
+            dag_ids=dag_id,
+            map_indexes=map_index,
+            limit=1,
+        )
+        found = self.session.scalars(query).first()
+        if found is None:
+            return []
+        value = XComModel.deserialize_value(found)
+        # A custom XCom backend may keep a reference (a path) here instead of the list: no chart then.
+        return value if isinstance(value, list) else []
+
+    def _run_record(self, dag_id: str, run_id: str, task_id: str, map_index: int) -> Any:
+        try:  # task_state_store is Airflow 3.3+; before it, runs are followed through XCom only
+            from airflow.state import TaskScope, get_state_backend
+        except ImportError:
+            return None
+        scope = TaskScope(dag_id=dag_id, run_id=run_id, task_id=task_id, map_index=map_index)
+        stored = get_state_backend().get(scope, RECORD_KEY)
+        if stored is None:
+            return None
+        try:
+            return json.loads(stored)
+        except (TypeError, ValueError):
+            return None
+
+
+def live_history(stored_record: Any) -> list[dict[str, Any]] | None:
+    """The run's history from its supervisor (a ``status`` connection: it reads, it owns nothing);
+    None when the record is not one of ours or no supervisor proves itself there within
+    :data:`LIVE_TIMEOUT_S`."""
+    from airflow_provider_torchdist.lifeline import LifelineError, query_status
+    from airflow_provider_torchdist.run_record import RunRecord, owner_secret
+
+    try:
+        record = RunRecord.from_dict(stored_record)
+        status = query_status(
+            record.host, record.port, record.run_id, owner_secret(record.run_id), timeout=LIVE_TIMEOUT_S
+        )
+    except (LifelineError, OSError, ValueError):  # ValueError: a bad record, no signing key
+        return None
+    return status.metrics
+
+
+def metric_history(facts: TaskFacts, live: LiveHistory) -> tuple[str | None, list[Any]]:
+    """Where the view's history comes from, and the history: the live run's while the task is not
+    finished and its run answers (``"live"``), else XCom's (``"xcom"``; None when it holds none)."""
+    if facts.state not in FINISHED_STATES and facts.run_record is not None:
+        history = live(facts.run_record)
+        if history is not None:
+            return "live", history
+    return ("xcom" if facts.history else None), facts.history
