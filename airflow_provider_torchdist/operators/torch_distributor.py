@@ -302,14 +302,22 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         hook.on_application = link_pusher(ti)
         metrics = metrics_pusher(ti)
         hook.on_metrics = metrics.offer
+        followed = False
         try:
             value = hook.follow(record, output_handler(ti, hook.spec))
+            followed = True
         except Exception:
             stop_abandoned(record, context["ti"].try_number <= (self.retries or 0), self.log)
             raise
         finally:
-            # The metric history is worth having after a failure too (the last loss before it).
-            metrics.close(hook.metrics or None)
+            # The metric history is worth having after a failure too (the last loss before it),
+            # but a failed push must not hide the run's own error.
+            try:
+                metrics.close(hook.metrics or None)
+            except Exception:
+                if followed:
+                    raise
+                self.log.warning("Could not push the final metric history.", exc_info=True)
         if self.outlets and hook.run_status is not None:
             set_outlet_extra(
                 context, self.outlets, run_extra(hook.run_status, value, hook.spec.num_processes)

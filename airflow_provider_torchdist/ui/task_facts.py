@@ -10,6 +10,8 @@ as it happens. :func:`metric_history` chooses between the two.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
 #: How long the view waits for a run's supervisor before it shows XCom's history instead.
-LIVE_TIMEOUT_S = 3.0
+LIVE_TIMEOUT_S = 1.0
 
 #: ``live_history``'s signature: a stored run record in, the run's history (None: not live) out.
 LiveHistory = Callable[[Any], "list[dict[str, Any]] | None"]
@@ -120,21 +122,91 @@ class AirflowTaskFacts:
             return None
 
 
-def live_history(stored_record: Any) -> list[dict[str, Any]] | None:
+#: How long an answer (a history, or none) is reused for the same run: every open view polls every
+#: 2 s, and a run that does not answer must not tie up the API server's threads on each poll.
+LIVE_CACHE_S = 2.0
+NOT_LIVE_CACHE_S = 30.0
+_cache: dict[tuple[str, int, str], tuple[float, list[dict[str, Any]] | None]] = {}
+_cache_lock = threading.Lock()
+
+
+def lifeline_hosts() -> set[str]:
+    """The hosts whose supervisors the view may ask: ``[torchdist] lifeline_host`` (where this
+    deployment's supervisors listen, 127.0.0.1 by default) and ``[torchdist] view_lifeline_hosts``
+    (comma-separated, for workers on other machines). A record naming any other host is not asked:
+    whoever can write a task's state store must not make the API server connect where they like."""
+    from airflow_provider_torchdist.run_owner import lifeline_host
+
+    try:
+        from airflow.configuration import conf
+
+        extra = conf.get("torchdist", "view_lifeline_hosts", fallback="") or ""
+    except Exception:  # no config to read: the default host only
+        extra = ""
+    return {lifeline_host(), *(h.strip() for h in extra.split(",") if h.strip())}
+
+
+def _configured_key() -> bytes | None:
+    """The deployment's signing key if this API server has one; never made here (a key made on
+    the API server could not match the workers')."""
+    from airflow_provider_torchdist.signing import _key_file, signing_key
+
+    try:
+        from airflow.configuration import conf
+
+        configured = conf.get("torchdist", "output_signing_key", fallback=None)
+    except Exception:
+        configured = None
+    if not configured and not _key_file().exists():
+        return None
+    try:
+        return signing_key()
+    except ValueError:
+        return None
+
+
+def live_history(
+    stored_record: Any, clock: Callable[[], float] = time.monotonic
+) -> list[dict[str, Any]] | None:
     """The run's history from its supervisor (a ``status`` connection: it reads, it owns nothing);
-    None when the record is not one of ours or no supervisor proves itself there within
-    :data:`LIVE_TIMEOUT_S`."""
+    None when the record is not one of ours, names a host outside :func:`lifeline_hosts`, this
+    server has no signing key, or no supervisor proves itself there within :data:`LIVE_TIMEOUT_S`.
+    Answers are reused for :data:`LIVE_CACHE_S` (:data:`NOT_LIVE_CACHE_S` for none)."""
     from airflow_provider_torchdist.lifeline import LifelineError, query_status
     from airflow_provider_torchdist.run_record import RunRecord, owner_secret
 
     try:
         record = RunRecord.from_dict(stored_record)
-        status = query_status(
-            record.host, record.port, record.run_id, owner_secret(record.run_id), timeout=LIVE_TIMEOUT_S
-        )
-    except (LifelineError, OSError, ValueError):  # ValueError: a bad record, no signing key
+    except ValueError:
         return None
-    return status.metrics
+    if record.host not in lifeline_hosts():
+        return None
+    key = (record.host, record.port, record.run_id)
+    now = clock()
+    with _cache_lock:
+        cached = _cache.get(key)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+    signing = _configured_key()
+    history: list[dict[str, Any]] | None = None
+    if signing is not None:
+        try:
+            status = query_status(
+                record.host,
+                record.port,
+                record.run_id,
+                owner_secret(record.run_id, signing),
+                timeout=LIVE_TIMEOUT_S,
+            )
+            history = status.metrics
+        except (LifelineError, OSError, ValueError):
+            history = None
+    with _cache_lock:
+        if len(_cache) > 1024:  # old runs' entries: drop the expired ones
+            for stale in [k for k, (until, _) in _cache.items() if until <= now]:
+                del _cache[stale]
+        _cache[key] = (now + (LIVE_CACHE_S if history is not None else NOT_LIVE_CACHE_S), history)
+    return history
 
 
 def metric_history(facts: TaskFacts, live: LiveHistory) -> tuple[str | None, list[Any]]:

@@ -399,7 +399,9 @@ def stop_deployment(launcher: subprocess.Popen[bytes], home: Path) -> list[str]:
     pgid = launcher.pid
     launcher.send_signal(signal.SIGTERM)
     try:
-        launcher.wait(timeout=60)
+        # Longer than the launcher's own 60 s grace for its components (a scheduler waits for its
+        # LocalExecutor's running tasks), so that its own stop, kill included, ends first.
+        launcher.wait(timeout=90)
     except subprocess.TimeoutExpired:
         pass
     forced = []

@@ -9,14 +9,24 @@ block must print rank 0's value as the README documents it.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.integration.deployment import ROOT, dag_folder, processes_of, start_deployment, stop_deployment
+from tests.integration.deployment import (
+    ROOT,
+    dag_folder,
+    processes_of,
+    quote,
+    start_deployment,
+    stop_deployment,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -80,6 +90,17 @@ def test_the_readme_rest_quick_start_runs_as_written(tmp_path: Path, no_leftover
         assert (result["learning_rate"], result["epochs"]) == (0.1, 5), result
         # The README documents 0.000105 for this conf: the loss at the data's noise floor.
         assert result["loss"] < 2e-4, result
+
+        # The Training view's endpoint on a deployment with a login: the API server's own auth.
+        figures = f"/torchdist/api/runs/{DAG_ID}/{quote(values['RUN_ID'])}/train"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(deployment.url + figures, timeout=30)
+        assert refused.value.code == 401
+        answer = deployment.call("GET", figures)
+        history = deployment.xcom(DAG_ID, values["RUN_ID"], "train", "metrics")
+        history = json.loads(history) if isinstance(history, str) else history
+        assert [p["loss"] for p in answer["metrics"]] == [r["loss"] for r in history if r["rank"] == 0]
+        assert answer["progress"]["fraction"] == 1.0 and answer["world_size"] == 2, answer
     finally:
         forced = stop_deployment(launcher, home)
     assert not processes_of(home, launcher.pid)

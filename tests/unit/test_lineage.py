@@ -9,6 +9,7 @@ import logging
 import sys
 from types import SimpleNamespace
 
+import airflow.providers.openlineage.plugins.macros as ol_macros  # noqa: E402  (the [test] extra has it: a broken install fails, not skips)
 import pendulum
 import pytest
 
@@ -16,8 +17,6 @@ from airflow_provider_torchdist.errors import InvalidTrainingConfig
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
 from tests.unit.conftest import plan_without_a_run
-
-ol_macros = pytest.importorskip("airflow.providers.openlineage.plugins.macros")
 
 OL_HELPERS = "airflow.providers.openlineage.utils.spark"
 COMPAT = "airflow.providers.common.compat.openlineage.utils.spark"

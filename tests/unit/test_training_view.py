@@ -253,7 +253,7 @@ def test_a_reader_gets_the_figures_of_the_task_instance(client, auth):
     }
 
 
-@pytest.mark.skipif(not has_external_views(), reason="the Training view needs Airflow 3.1+ (README)")
+@pytest.mark.skipif(not has_external_views(), reason="the Training view needs Airflow 3.3+ (README)")
 def test_the_ui_cookie_authenticates_too_and_map_index_picks_the_instance(client):
     from airflow.api_fastapi.auth.managers.base_auth_manager import COOKIE_NAME_JWT_TOKEN
 
@@ -322,7 +322,7 @@ def load_plugins(**env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.skipif(not has_external_views(), reason="the Training view needs Airflow 3.1+ (README)")
+@pytest.mark.skipif(not has_external_views(), reason="the Training view needs Airflow 3.3+ (README)")
 def test_airflow_loads_the_plugin_from_the_provider_info():
     """With provider discovery at start-up, Airflow loads the plugin from get_provider_info's
     ``plugins`` entry; importing the plugin imports no FastAPI."""
@@ -340,7 +340,7 @@ def test_airflow_loads_the_plugin_from_the_provider_info():
     assert plugin is TorchdistPlugin and is_valid_plugin(plugin) and entry["name"] == plugin.name
 
 
-@pytest.mark.skipif(not has_external_views(), reason="the Training view needs Airflow 3.1+ (README)")
+@pytest.mark.skipif(not has_external_views(), reason="the Training view needs Airflow 3.3+ (README)")
 def test_airflow_loads_the_plugin_by_default_through_its_entry_point():
     """With Airflow's default (providers discovered lazily) plugins come only from the
     ``airflow.plugins`` entry point, as the OpenLineage provider's does."""
@@ -352,8 +352,71 @@ def test_airflow_loads_the_plugin_by_default_through_its_entry_point():
     )
 
 
-@pytest.mark.skipif(has_external_views(), reason="Airflow 3.0 only (the lowest-versions env)")
-def test_on_airflow_3_0_the_plugin_registers_nothing():
+@pytest.mark.skipif(has_external_views(), reason="Airflow before 3.3 only (the lowest-versions env)")
+def test_before_airflow_3_3_the_plugin_registers_nothing():
     from airflow_provider_torchdist.ui.plugin import TorchdistPlugin
 
     assert TorchdistPlugin.fastapi_apps == [] and TorchdistPlugin.external_views == []
+
+
+# -- whom the view asks -----------------------------------------------------------------------------
+
+
+def _record(host: str, port: int = 1, run_id: str = "run-a") -> dict:
+    from airflow_provider_torchdist.run_record import RunRecord
+
+    return RunRecord(run_id=run_id, host=host, port=port, durable=True, reattach_timeout=60.0).to_dict()
+
+
+@pytest.fixture
+def asked(monkeypatch):
+    """The supervisors :func:`live_history` asks (none answers), with a clean cache and a key."""
+    from airflow_provider_torchdist import lifeline
+    from airflow_provider_torchdist.ui import task_facts
+
+    calls: list[tuple[str, int]] = []
+
+    def query_status(host, port, run_id, secret, timeout):
+        calls.append((host, port))
+        raise lifeline.LifelineError("nobody there")
+
+    monkeypatch.setattr(lifeline, "query_status", query_status)
+    monkeypatch.setattr(task_facts, "_cache", {})
+    monkeypatch.setattr(task_facts, "_configured_key", lambda: b"k" * 32)
+    return calls
+
+
+def test_a_record_naming_another_host_is_never_asked(asked, monkeypatch):
+    """Whoever can write a task's state store must not make the API server connect where they like."""
+    from airflow_provider_torchdist.ui.task_facts import live_history
+
+    assert live_history(_record("10.1.2.3", 22)) is None
+    assert live_history(_record("169.254.169.254", 80)) is None
+    assert asked == []
+    monkeypatch.setenv("AIRFLOW__TORCHDIST__VIEW_LIFELINE_HOSTS", "10.1.2.3, worker-2")
+    assert live_history(_record("10.1.2.3", 22)) is None
+    assert asked == [("10.1.2.3", 22)]
+
+
+def test_a_run_that_does_not_answer_is_not_asked_again_at_once(asked):
+    from airflow_provider_torchdist.ui.task_facts import NOT_LIVE_CACHE_S, live_history
+
+    now = [100.0]
+    for _ in range(5):
+        assert live_history(_record("127.0.0.1"), clock=lambda: now[0]) is None
+    assert len(asked) == 1
+    now[0] += NOT_LIVE_CACHE_S + 1
+    live_history(_record("127.0.0.1"), clock=lambda: now[0])
+    assert len(asked) == 2
+
+
+def test_without_a_signing_key_the_api_server_asks_nobody_and_makes_no_key(asked, monkeypatch, tmp_path):
+    from airflow_provider_torchdist.ui import task_facts
+
+    monkeypatch.undo()  # the real _configured_key: with no key it must not get as far as asking
+    monkeypatch.setattr(task_facts, "_cache", {})
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    monkeypatch.delenv("AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY", raising=False)
+    assert task_facts._configured_key() is None
+    assert task_facts.live_history(_record("127.0.0.1")) is None
+    assert list(tmp_path.iterdir()) == []
