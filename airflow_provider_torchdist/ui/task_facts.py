@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
 #: How long the view waits for a run's supervisor before it shows XCom's history instead.
-LIVE_TIMEOUT_S = 1.0
+LIVE_TIMEOUT_S = 3.0
 
 #: ``live_history``'s signature: a stored run record in, the run's history (None: not live) out.
 LiveHistory = Callable[[Any], "list[dict[str, Any]] | None"]
@@ -125,7 +125,7 @@ class AirflowTaskFacts:
 #: How long an answer (a history, or none) is reused for the same run: every open view polls every
 #: 2 s, and a run that does not answer must not tie up the API server's threads on each poll.
 LIVE_CACHE_S = 2.0
-NOT_LIVE_CACHE_S = 30.0
+NOT_LIVE_CACHE_S = 5.0
 _cache: dict[tuple[str, int, str], tuple[float, list[dict[str, Any]] | None]] = {}
 _cache_lock = threading.Lock()
 
