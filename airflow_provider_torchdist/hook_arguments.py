@@ -52,33 +52,38 @@ def hook_signature() -> inspect.Signature:
     )
 
 
+#: Operator settings the hook refuses, by scope, and what to do instead.
+_OPERATOR_ONLY = (
+    (
+        XCOM,
+        "say(s) how the operator puts rank 0's value in XCom; the hook returns the value itself. "
+        "Pass it to TorchDistributorOperator instead.",
+    ),
+    (
+        OWNER,
+        "say(s) how long a run lives apart from its Airflow task: settings of "
+        "TorchDistributorOperator. The hook's run() trains in this process; for a detached run use "
+        "hook.start_run(..., durable=..., reattach_timeout=...).",
+    ),
+    (
+        LINEAGE,
+        "need(s) the Airflow task's context: settings of TorchDistributorOperator. With the hook, "
+        "add the properties to conf yourself: conf=inject_parent_job_information_into_spark_properties("
+        "conf, context) (airflow.providers.openlineage.utils.spark).",
+    ),
+)
+
+
 def spec_from_arguments(
     num_processes: int, local_mode: bool, use_gpu: bool, settings: dict[str, Any]
 ) -> TrainingSpec:
     """The validated spec of the hook's arguments; ``settings`` are its other keywords (the
     ``SparkSubmitHook`` ones are popped from it). Refuses the operator's own settings, saying where
     they belong."""
-    operator_only = sorted(set(settings) & set(settings_for(XCOM)))
-    if operator_only:
-        raise InvalidTrainingConfig(
-            f"{', '.join(operator_only)} say(s) how the operator puts rank 0's value in XCom; "
-            "the hook returns the value itself. Pass it to TorchDistributorOperator instead."
-        )
-    lifetime = sorted(set(settings) & set(settings_for(OWNER)))
-    if lifetime:
-        raise InvalidTrainingConfig(
-            f"{', '.join(lifetime)} say(s) how long a run lives apart from its Airflow task: "
-            "settings of TorchDistributorOperator. The hook's run() trains in this process; "
-            "for a detached run use hook.start_run(..., durable=..., reattach_timeout=...)."
-        )
-    lineage = sorted(set(settings) & set(settings_for(LINEAGE)))
-    if lineage:
-        raise InvalidTrainingConfig(
-            f"{', '.join(lineage)} need(s) the Airflow task's context: settings of "
-            "TorchDistributorOperator. With the hook, add the properties to conf yourself: "
-            "conf=inject_parent_job_information_into_spark_properties(conf, context) "
-            "(airflow.providers.openlineage.utils.spark)."
-        )
+    for scope, why in _OPERATOR_ONLY:
+        named = sorted(set(settings) & set(settings_for(scope)))
+        if named:
+            raise InvalidTrainingConfig(f"{', '.join(named)} {why}")
     given = {"num_processes": num_processes, "local_mode": local_mode, "use_gpu": use_gpu}
     submit_kwargs = {k: settings.pop(k) for k in list(settings) if k not in SETTINGS}
     submit_kwargs.update(settings.pop("spark_submit_kwargs", None) or {})

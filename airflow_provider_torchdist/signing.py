@@ -43,8 +43,10 @@ def _key_file() -> Path:
     return Path(os.environ.get("AIRFLOW_HOME", "~/airflow")).expanduser() / KEY_FILE
 
 
-def signing_key() -> bytes:
-    """This deployment's output signing key (see the module docstring for where it comes from)."""
+def signing_key(create: bool = True) -> bytes:
+    """This deployment's output signing key (see the module docstring for where it comes from).
+    ``create=False``: a machine that only checks (the API server) never makes a key of its own,
+    which could not match the workers'; it gets :class:`SigningKeyError` instead."""
     from airflow.configuration import conf
 
     configured = conf.get("torchdist", "output_signing_key", fallback=None)
@@ -54,7 +56,10 @@ def signing_key() -> bytes:
     try:
         return _read_key_file(path)
     except FileNotFoundError:
-        pass
+        if not create:
+            raise SigningKeyError(
+                f"No output signing key: none configured, and no {path}. {_HOW_TO_SET}."
+            ) from None
     _create_key_file(path)
     return _read_key_file(path)
 

@@ -147,21 +147,12 @@ def lifeline_hosts() -> set[str]:
 
 
 def _configured_key() -> bytes | None:
-    """The deployment's signing key if this API server has one; never made here (a key made on
-    the API server could not match the workers')."""
-    from airflow_provider_torchdist.signing import _key_file, signing_key
+    """The deployment's signing key if this API server has one; never made here."""
+    from airflow_provider_torchdist.signing import signing_key
 
     try:
-        from airflow.configuration import conf
-
-        configured = conf.get("torchdist", "output_signing_key", fallback=None)
-    except Exception:
-        configured = None
-    if not configured and not _key_file().exists():
-        return None
-    try:
-        return signing_key()
-    except ValueError:
+        return signing_key(create=False)
+    except (ValueError, OSError):  # SigningKeyError is a ValueError
         return None
 
 
