@@ -121,6 +121,8 @@ def test_without_echo_nothing_reaches_stdout(tmp_path):
     with make_channel(tmp_path, out, echo_stdout=False) as channel:
         follower = Follower(channel)
         channel.say("local mode")
+        # The follower connects in its thread: once it has the line (live or replayed), it is live.
+        wait_until(lambda: len(follower.events) == 1, what="the owner to connect")
         channel.application("app-1", None)
         rank = rank_of(channel)
         rank.line("out", "training")
