@@ -162,9 +162,11 @@ def test_zombies_do_not_count(tmp_path: Path, started: list[subprocess.Popen[byt
     pid_file = tmp_path / "pid"
     code = textwrap.dedent(
         """
-        import pathlib, subprocess, sys, time
+        import os, pathlib, subprocess, sys, time
         child = subprocess.Popen(["true"])
-        pathlib.Path(sys.argv[1]).write_text(str(child.pid))
+        # Written whole, then renamed: the test must never read a half-written file.
+        pathlib.Path(sys.argv[1] + ".tmp").write_text(str(child.pid))
+        os.replace(sys.argv[1] + ".tmp", sys.argv[1])
         time.sleep(60)
         """
     )

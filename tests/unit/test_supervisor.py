@@ -454,7 +454,9 @@ def test_the_lock_admits_one_live_run_per_checkpoint_dir(tmp_path):
 
 #: spark-submit that notes its PID beside the spec (the last argument) and trains "forever".
 HANGING_SPARK_SUBMIT = (
-    '#!/bin/sh\nfor a; do last="$a"; done\necho $$ > "$(dirname "$last")/fake.pid"\nexec sleep 300\n'
+    '#!/bin/sh\nfor a; do last="$a"; done\nd="$(dirname "$last")"\n'
+    # Written whole, then renamed: the test must never read a half-written file.
+    'echo $$ > "$d/fake.pid.tmp" && mv "$d/fake.pid.tmp" "$d/fake.pid"\nexec sleep 300\n'
 )
 #: spark-submit that plays a succeeding driver: rank 0's value 42 and an ok outcome.
 SUCCEEDING_SPARK_SUBMIT = f"""#!{sys.executable}
