@@ -117,8 +117,9 @@ def resolve_target(spec: TrainingSpec, log: Any = None) -> SparkTarget:
 
 
 def embedded_target(spec: TrainingSpec, log: Any = None) -> SparkTarget:
-    """``local[N]`` on this machine: N slots for the barrier stage's tasks (1 in local mode)."""
-    master = f"local[{1 if spec.local_mode else spec.num_processes}]"
+    """``local[N]`` on this machine: N slots for the stage's tasks (1 in local mode); an elastic
+    run's N is its MAX, so every node it may take in finds a slot."""
+    master = f"local[{1 if spec.local_mode else spec.max_processes}]"
     if log is not None:
         log.info(
             "No Spark connection %r is configured: running on an embedded local Spark master %s on %s. "

@@ -41,7 +41,12 @@ def hook_signature() -> inspect.Signature:
         leading=[
             inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
             *(
-                inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=SETTINGS[n].default)
+                inspect.Parameter(
+                    n,
+                    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                    default=SETTINGS[n].default,
+                    annotation=SETTINGS[n].type,
+                )
                 for n in POSITIONAL
             ),
         ],
@@ -75,7 +80,7 @@ _OPERATOR_ONLY = (
 
 
 def spec_from_arguments(
-    num_processes: int, local_mode: bool, use_gpu: bool, settings: dict[str, Any]
+    num_processes: int | str, local_mode: bool, use_gpu: bool, settings: dict[str, Any]
 ) -> TrainingSpec:
     """The validated spec of the hook's arguments; ``settings`` are its other keywords (the
     ``SparkSubmitHook`` ones are popped from it). Refuses the operator's own settings, saying where

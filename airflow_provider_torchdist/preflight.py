@@ -156,7 +156,7 @@ def check_gpu_conf(spec: TrainingSpec, target: SparkTarget, props: Mapping[str, 
     if not spec.use_gpu:
         return
     if spec.local_mode:  # client mode: the ranks run on this machine
-        check_local_gpus(spec.num_processes)
+        check_local_gpus(spec.max_processes)  # local mode takes no range: the one size
         return
     if target.is_local:
         raise InvalidTrainingConfig(
@@ -194,11 +194,20 @@ def check_cluster_capacity(spec: TrainingSpec, target: SparkTarget, log: Any) ->
     else:
         per_worker = [int(w.get("cores", 0)) for w in workers]
     slots = sum(n // spec.nproc_per_node for n in per_worker)
-    if slots < spec.num_nodes:
+    # An elastic run trains once MIN's nodes have joined and takes the others as slots free up:
+    # only a cluster that can never fit MIN's nodes is a run that can never start.
+    needed = spec.min_nodes if spec.elastic else spec.num_nodes
+    if slots < needed:
         unit = "GPUs" if spec.use_gpu else "cores"
+        what = (
+            f"The elastic run (num_processes={spec.num_processes!r}) needs at least {needed} task "
+            f"slot(s) of {spec.nproc_per_node} {unit} each at once to start (MIN={spec.min_processes} "
+            "ranks)"
+            if spec.elastic
+            else f"The barrier stage needs {needed} task slot(s) of {spec.nproc_per_node} {unit} each at once"
+        )
         raise InvalidTrainingConfig(
-            f"The barrier stage needs {spec.num_nodes} task slot(s) of {spec.nproc_per_node} {unit} "
-            f"each at once, but the cluster at {target.master} can never offer more than {slots} "
+            f"{what}, but the cluster at {target.master} can never offer more than {slots} "
             f"({len(workers)} alive worker(s) with {unit} {per_worker}). Lower num_processes, change "
             "nproc_per_node, or add workers."
         )

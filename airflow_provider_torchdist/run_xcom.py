@@ -1,5 +1,6 @@
 """What the operator puts in XCom while it owns a run: the extra links' URLs as soon as the driver
-reports them, the metric history as it grows, and rank 0's output as the task's value.
+reports them, the metric history as it grows, the world sizes once it has succeeded, and rank 0's
+output as the task's value.
 
 :func:`link_pusher` is the hook's ``on_application`` for a task instance; :func:`metrics_pusher`
 makes its ``on_metrics`` (a :class:`ThrottledPush`); :func:`output_handler` is what the hook's
@@ -24,6 +25,9 @@ from airflow_provider_torchdist.spec import TrainingSpec
 
 #: XCom key of the list of ``report()`` records: ``[{"rank": 0, "step": 3, "time": ..., "loss": 0.12}, ...]``.
 METRICS_XCOM_KEY = "metrics"
+#: XCom key of how the world size went over a succeeded run:
+#: ``[{"time": 1767225600.1, "world_size": 4, "reason": "start"}, ...]`` (see ``hook.world_sizes``).
+WORLD_SIZES_XCOM_KEY = "world_sizes"
 #: The shortest time between two pushes of the growing metric history while a run trains.
 METRICS_PUSH_INTERVAL_S = 1.0
 
@@ -130,6 +134,12 @@ def metrics_pusher(ti: Any, interval: float = METRICS_PUSH_INTERVAL_S, **timing:
         ti.xcom_push(key=METRICS_XCOM_KEY, value=newest_that_fit(history[:]))
 
     return ThrottledPush(push, interval, **timing)
+
+
+def push_world_sizes(ti: Any, world_sizes: list[dict[str, Any]]) -> None:
+    """Push a succeeded run's world sizes to ``ti``'s XCom ``world_sizes``: one entry for a fixed
+    world, one more per change for an elastic run (which of its nodes it lost or took in, when)."""
+    ti.xcom_push(key=WORLD_SIZES_XCOM_KEY, value=list(world_sizes))
 
 
 def output_handler(ti: Any, spec: TrainingSpec) -> Callable[[Path | None], Any]:

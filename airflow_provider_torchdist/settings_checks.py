@@ -21,9 +21,11 @@ from airflow_provider_torchdist.validation import (
     check_timeout,
     check_topology,
     check_unencrypted_allowed,
+    check_world_size,
     checkpoint_dir_path,
     is_template,
     output_dir_path,
+    world_size_bounds,
 )
 
 
@@ -113,6 +115,7 @@ def _submit_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "positive_int": lambda v, n: check_int(v, n, minimum=1),
+    "world_size": check_world_size,
     "non_negative_int": lambda v, n: check_int(v, n, minimum=0),
     "bool": check_bool,
     "optional_bool": lambda v, n: None if v is None else check_bool(v, n),
@@ -184,11 +187,13 @@ def _check_together(s: dict[str, Any], at_parse_time: bool) -> None:
             s["num_processes"], s["nproc_per_node"], s["local_mode"]
         )
     if ready("log_ranks", "num_processes") and s["log_ranks"] != "all":
-        beyond = [r for r in s["log_ranks"] if r >= s["num_processes"]]
+        # An elastic run's ranks are 0..MAX-1 at its largest: a rank it may reach is a fair choice.
+        most = world_size_bounds(s["num_processes"])[1]
+        beyond = [r for r in s["log_ranks"] if r >= most]
         if beyond:
             raise InvalidTrainingConfig(
-                f"log_ranks names rank(s) {beyond}, but the run has ranks 0..{s['num_processes'] - 1} "
-                f"(num_processes={s['num_processes']})"
+                f"log_ranks names rank(s) {beyond}, but the run has ranks 0..{most - 1} "
+                f"(num_processes={s['num_processes']!r})"
             )
     if "deploy_mode" in s["spark_submit_kwargs"]:
         check_deploy_mode(s["spark_submit_kwargs"]["deploy_mode"])

@@ -52,8 +52,13 @@ def setting(default: Any, doc: str, *, templated: bool = False, scope: str = RUN
 class TrainingSpec:
     """The settings of one training run, validated (see the module docstring)."""
 
-    num_processes: int = setting(
-        1, "total number of ranks (the world size).", templated=True, check="positive_int"
+    num_processes: int | str = setting(
+        1,
+        'total number of ranks (the world size); ``"MIN:MAX"`` (such as ``"2:4"``) makes the run '
+        "elastic: it starts with at least MIN ranks, takes in up to MAX, and survives losing nodes "
+        "while MIN remain (distributed mode only; both bounds multiples of ``nproc_per_node``).",
+        templated=True,
+        check="world_size",
     )
     local_mode: bool = setting(
         False, "run all ranks on the Spark driver instead of Spark executors.", templated=True, check="bool"
@@ -75,6 +80,14 @@ class TrainingSpec:
     )
     rendezvous_timeout: int = setting(
         300, "seconds the ranks may take to find each other.", check="int_timeout"
+    )
+    join_window: int = setting(
+        10,
+        "elastic runs: seconds the rendezvous waits for more ranks, up to MAX, once MIN have joined "
+        "(torchrun's ``last_call_timeout``, which must be at least 1 s), at the start and after "
+        "each change of world size.",
+        templated=True,
+        check="positive_int",
     )
     slot_timeout: float = setting(
         20.0,
@@ -227,9 +240,38 @@ class TrainingSpec:
     )
 
     @property
+    def elastic(self) -> bool:
+        """Whether ``num_processes`` is a ``"MIN:MAX"`` range (even ``"4:4"``)."""
+        return isinstance(self.num_processes, str)
+
+    @property
+    def min_processes(self) -> int:
+        """The fewest ranks the run may train with: MIN of a range, else ``num_processes``."""
+        return (
+            int(self.num_processes.split(":")[0])
+            if isinstance(self.num_processes, str)
+            else self.num_processes
+        )
+
+    @property
+    def max_processes(self) -> int:
+        """The most ranks the run may train with: MAX of a range, else ``num_processes``."""
+        return (
+            int(self.num_processes.split(":")[1])
+            if isinstance(self.num_processes, str)
+            else self.num_processes
+        )
+
+    @property
     def num_nodes(self) -> int:
-        """How many torchrun agents (barrier tasks) the run uses: 1 in local mode."""
-        return 1 if self.local_mode else self.num_processes // self.nproc_per_node
+        """How many torchrun agents (Spark tasks) the run submits: 1 in local mode, MAX's in an
+        elastic run."""
+        return 1 if self.local_mode else self.max_processes // self.nproc_per_node
+
+    @property
+    def min_nodes(self) -> int:
+        """The fewest agents the run trains with: ``num_nodes`` unless the run is elastic."""
+        return 1 if self.local_mode else self.min_processes // self.nproc_per_node
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

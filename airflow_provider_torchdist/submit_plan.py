@@ -97,15 +97,34 @@ class SubmitPlan:
 
 
 def topology_conf(spec: TrainingSpec) -> dict[str, str]:
-    """One barrier task per slot: each task runs ``nproc_per_node`` ranks, so it takes that many
-    CPUs (or GPUs), and Spark places no two such tasks on a slot meant for one."""
+    """One task per slot: each task runs ``nproc_per_node`` ranks, so it takes that many CPUs (or
+    GPUs), and Spark places no two such tasks on a slot meant for one. An elastic run also gets
+    the task retries that bring its lost nodes back (:func:`elastic_conf`)."""
     if spec.local_mode:
         return {}
     if spec.use_gpu:
-        return {"spark.task.resource.gpu.amount": str(spec.nproc_per_node)}
-    # On a shared standalone cluster an application takes every free core unless capped, which
-    # would starve the next run; take exactly what the barrier stage needs.
-    return {"spark.task.cpus": str(spec.nproc_per_node), "spark.cores.max": str(spec.num_processes)}
+        conf = {"spark.task.resource.gpu.amount": str(spec.nproc_per_node)}
+    else:
+        # On a shared standalone cluster an application takes every free core unless capped, which
+        # would starve the next run; take exactly what the stage needs at its largest (MAX).
+        conf = {"spark.task.cpus": str(spec.nproc_per_node), "spark.cores.max": str(spec.max_processes)}
+    return conf | elastic_conf(spec)
+
+
+def elastic_conf(spec: TrainingSpec) -> dict[str, str]:
+    """``spark.task.maxFailures`` for an elastic run: ``max_restarts + 2`` attempts per task.
+
+    An elastic run's stage is an ordinary one, and a lost node comes back only as Spark's retry of
+    its task; Spark's default (4 attempts) would end the job after the fourth loss of one node
+    however many restarts ``max_restarts`` allows. Each loss the run may survive costs one restart,
+    so a task needs its first attempt, one per restart, and one to spare (a retry that lands on a
+    host going down too) for Spark never to give up before torchrun's agents do: the run's own
+    bound stays ``max_restarts``. ``conf`` (the user's, or the connection's) wins, as it is merged
+    over this.
+    """
+    if not spec.elastic:
+        return {}
+    return {"spark.task.maxFailures": str(spec.max_restarts + 2)}
 
 
 def spark_properties(

@@ -89,22 +89,18 @@ def run_verdict(
         outcome = Outcome.read(staging_dir)
     except (OSError, ValueError, TypeError) as exc:
         outcome, submit_error = None, submit_error or exc
-    metrics = outcome.metrics if outcome else []
     if outcome is None:
         return "failed", {
             "error": f"The Spark application ended before the training driver reported an outcome: {submit_error}",
-            "metrics": metrics,
+            "metrics": [],
         }
+    # What every verdict carries from the outcome, succeeded or failed.
+    seen = {"metrics": outcome.metrics, "world_sizes": outcome.world_sizes}
     if not outcome.ok:
         failures = [dataclasses.asdict(f) for f in outcome.failures]
-        return "failed", {
-            "error": outcome.error,
-            "error_kind": "training",
-            "failures": failures,
-            "metrics": metrics,
-        }
+        return "failed", {"error": outcome.error, "error_kind": "training", "failures": failures, **seen}
     if output_file is None:
-        return "succeeded", {"metrics": metrics}
+        return "succeeded", seen
     manifest = OutputManifest.read(output_file)
     if manifest is None:
         error = (
@@ -112,14 +108,14 @@ def run_verdict(
             if output_file.exists()
             else "Training succeeded but rank 0's return value never reached the driver."
         )
-        return "failed", {"error": error, "metrics": metrics}
+        return "failed", {"error": error, **seen}
     output = {
         "format": manifest.format,
         "type": manifest.type,
         "size": manifest.size,
         "sha256": manifest.sha256,
     }
-    return "succeeded", {"metrics": metrics, "output": output, "output_path": output_file}
+    return "succeeded", {**seen, "output": output, "output_path": output_file}
 
 
 def failure_summary(failure: dict[str, Any]) -> str:

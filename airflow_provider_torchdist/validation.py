@@ -101,14 +101,83 @@ def check_train_object(value: Any) -> Callable[..., Any] | str:
     )
 
 
-def check_topology(num_processes: Any, nproc_per_node: Any, local_mode: Any) -> tuple[int, int, bool]:
-    """``num_processes`` is the total; in distributed mode it must split evenly across nodes."""
-    num_processes = check_at_most(
-        check_int(num_processes, "num_processes"),
-        "num_processes",
+_RANGE = re.compile(r"\s*([0-9]+)\s*:\s*([0-9]+)\s*")
+
+
+def world_size_bounds(value: int | str) -> tuple[int, int]:
+    """``(MIN, MAX)`` of a checked ``num_processes``: ``(n, n)`` for a fixed world size."""
+    if isinstance(value, str):
+        low, high = value.split(":")
+        return int(low), int(high)
+    return value, value
+
+
+def check_world_size(value: Any, field: str = "num_processes") -> int | str:
+    """A fixed world size (an integer >= 1, as :func:`check_int` takes it) or an elastic range
+    ``"MIN:MAX"`` with 1 <= MIN <= MAX, normalized: ``" 2 : 4 "`` becomes ``"2:4"``.
+
+    A string without ``:`` is a fixed size (``"4"`` is 4); ``"4:4"`` stays a range (elastic).
+    """
+    if not (isinstance(value, str) and ":" in value):
+        return check_int(value, field)
+    usage = (
+        f'{field} must be an integer >= 1 or an elastic range "MIN:MAX" of two whole numbers, such as '
+        f'"2:4" (train with 2 to 4 ranks) or 4 (a fixed world size); got {value!r}'
+    )
+    match = _RANGE.fullmatch(value)
+    if match is None:
+        raise InvalidTrainingConfig(usage)
+    low, high = int(match[1]), int(match[2])
+    if low < 1:
+        raise InvalidTrainingConfig(
+            f"{field}={value!r}: MIN must be at least 1 (the fewest ranks the run trains with). "
+            f'Use e.g. {field}="1:{max(high, 1)}".'
+        )
+    if low > high:
+        raise InvalidTrainingConfig(
+            f"{field}={value!r}: MIN={low} is more than MAX={high}. Write the fewest ranks first: "
+            f'{field}="{high}:{low}".'
+        )
+    return f"{low}:{high}"
+
+
+def _check_elastic_topology(num_processes: str, nproc_per_node: int, local_mode: bool) -> None:
+    """An elastic range needs distributed mode and bounds that are whole numbers of nodes."""
+    if local_mode:
+        raise InvalidTrainingConfig(
+            f"num_processes={num_processes!r} is an elastic range, but local_mode=True runs every rank on "
+            "the Spark driver (this Airflow worker), one machine: there is no node to lose or add. "
+            "Use local_mode=False to train elastically on a cluster, or a fixed num_processes such as "
+            f"{world_size_bounds(num_processes)[1]}."
+        )
+    low, high = world_size_bounds(num_processes)
+    bad = [f"{name}={n}" for name, n in (("MIN", low), ("MAX", high)) if n % nproc_per_node]
+    if bad:
+        # Round MIN up and MAX down to whole nodes; MAX up instead when that leaves no range.
+        fixed_low = -(-low // nproc_per_node) * nproc_per_node
+        fixed_high = high - high % nproc_per_node
+        if fixed_high <= fixed_low:
+            fixed_high = -(-high // nproc_per_node) * nproc_per_node
+        raise InvalidTrainingConfig(
+            f"num_processes={num_processes!r}: {' and '.join(bad)} "
+            f"{'is not a multiple' if len(bad) == 1 else 'are not multiples'} of "
+            f"nproc_per_node={nproc_per_node}. Each Spark task runs nproc_per_node ranks, so an elastic "
+            f"run grows and shrinks a whole task at a time. Use e.g. "
+            f'num_processes="{fixed_low}:{fixed_high}".'
+        )
+
+
+def check_topology(num_processes: Any, nproc_per_node: Any, local_mode: Any) -> tuple[int | str, int, bool]:
+    """``num_processes`` is the total (or an elastic ``"MIN:MAX"``, see :func:`check_world_size`);
+    in distributed mode it must split evenly across nodes."""
+    num_processes = check_world_size(num_processes)
+    fixed = isinstance(num_processes, int)
+    check_at_most(
+        world_size_bounds(num_processes)[1],
+        "num_processes" if fixed else "num_processes MAX",
         MAX_NUM_PROCESSES,
-        "more ranks than any Spark cluster could schedule as one barrier stage. num_processes is the "
-        "total number of ranks (the world size); give the number you mean.",
+        f"more ranks than any Spark cluster could schedule as one {'barrier ' if fixed else ''}stage. "
+        "num_processes is the total number of ranks (the world size); give the number you mean.",
     )
     nproc_per_node = check_at_most(
         check_int(nproc_per_node, "nproc_per_node"),
@@ -118,6 +187,9 @@ def check_topology(num_processes: Any, nproc_per_node: Any, local_mode: Any) -> 
         "(usually the GPUs or cores of one executor); give the number you mean.",
     )
     local_mode = check_bool(local_mode, "local_mode")
+    if isinstance(num_processes, str):
+        _check_elastic_topology(num_processes, nproc_per_node, local_mode)
+        return num_processes, nproc_per_node, local_mode
     if local_mode:
         check_at_most(
             num_processes,

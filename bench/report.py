@@ -360,6 +360,30 @@ def _failure(sec: dict[str, Any]) -> list[str]:
     return lines + _table(["mode", "median s", "max s", "target", "load"], rows) + [""]
 
 
+def _elastic(sec: dict[str, Any]) -> list[str]:
+    st = sec["stats"]
+    lines = [
+        "### Elastic runs",
+        "",
+        "`python bench/elastic.py` on a two-host netns cluster (one core each). Launch: the same 2-rank "
+        'all-reduce as `num_processes=2` (barrier stage) and `"2:2"` (ordinary stage, c10d rendezvous on the '
+        "driver's store), interleaved. Loss: `\"1:2\"`, the Worker and executor JVMs of rank 0's host "
+        "SIGKILLed mid-training, until the survivor trains again as rank 0 of world size 1 from the latest "
+        "checkpoint.",
+        "",
+    ]
+    rows = [
+        ["launch, fixed (median s)", _s(st["fixed_median_s"]), ""],
+        ["launch, elastic (median s)", _s(st["elastic_median_s"]), f"{_s(st['elastic_over_fixed'])}x fixed"],
+        [
+            "loss to resumed training (median s)",
+            _s(st["resume_median_s"]),
+            f"max {_s(st['resume_max_s'])}; goal <= {st['resume_goal_s']} {_verdict(st['met'])}",
+        ],
+    ]
+    return lines + _table(["measure", "value", "note"], rows) + [""]
+
+
 def _reattach(sec: dict[str, Any]) -> list[str]:
     st = sec["stats"]
     lines = [
@@ -545,6 +569,7 @@ def render(results: dict[str, Any]) -> str:
         ("reattach", _reattach),
         ("output_roundtrip", _output),
         ("scaling", _scaling),
+        ("elastic", _elastic),
     ):
         if key == "launch_changes":
             lines += _launch_changes(results)

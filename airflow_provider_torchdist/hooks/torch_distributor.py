@@ -81,7 +81,7 @@ class TorchDistributorHook(BaseHook):
 
     def __init__(
         self,
-        num_processes: int = 1,
+        num_processes: int | str = 1,
         local_mode: bool = False,
         use_gpu: bool = False,
         *,
@@ -107,6 +107,10 @@ class TorchDistributorHook(BaseHook):
         #: Called with ``metrics`` each time it grows while the run trains (from the thread that
         #: follows the run); the operator pushes it to XCom, throttled.
         self.on_metrics: Callable[[list[dict[str, Any]]], None] | None = None
+        #: How the last run's world size went, once it has ended: ``{"time": epoch seconds,
+        #: "world_size": n, "reason": why}``, one entry at the start and one per change (an elastic
+        #: run's losses and joins); empty before a run ends.
+        self.world_sizes: list[dict[str, Any]] = []
         #: The supervised run's final status, once :meth:`follow` has seen it end.
         self.run_status: RunStatus | None = None
         self.plan: SubmitPlan | None = None
@@ -234,7 +238,7 @@ class TorchDistributorHook(BaseHook):
         The run's log lines go to this hook's log (the kept ones from line ``since`` on first, when
         this is a new owner), its application to ``on_application``, its metrics to ``metrics`` (the
         history so far when this owner connected, then each new record; ``on_metrics`` hears of
-        each), and its final status to ``run_status``.
+        each), its final status to ``run_status`` and its world sizes to ``world_sizes``.
         A failed run raises what :meth:`run` would raise. The run is released (torn down) once the
         output is handled; when ``handle`` fails, it is kept for the next owner.
         """
@@ -242,7 +246,7 @@ class TorchDistributorHook(BaseHook):
         if owner is None:
             owner = connect_owner(record, since=since)
         self._owner, self.record = owner, record
-        self.metrics, self.run_status = list(owner.status.metrics), None
+        self.metrics, self.run_status, self.world_sizes = list(owner.status.metrics), None, []
         if self.metrics and self.on_metrics and not owner.status.ended:
             self.on_metrics(self.metrics)  # a new owner of a run under way: the history so far at once
         try:
@@ -254,6 +258,7 @@ class TorchDistributorHook(BaseHook):
                 on_metric=self._metric_reported,
             )
             self.metrics, self.run_status = list(status.metrics), status
+            self.world_sizes = list(status.world_sizes)
             if self._fast is not None:
                 self._fast.finish()
                 self._fast = None
@@ -270,7 +275,7 @@ class TorchDistributorHook(BaseHook):
 
     def _submit(self, plan: SubmitPlan, staged: StagedRun) -> None:
         self.submission = Submission(plan)
-        self.metrics = []
+        self.metrics, self.world_sizes = [], []
         outcome, submit_error = submit_and_follow(
             self.submission,
             staged,
@@ -279,7 +284,7 @@ class TorchDistributorHook(BaseHook):
             on_metric=self._metric_reported,
         )
         if outcome is not None:  # the complete history (without one, what was followed live)
-            self.metrics = outcome.metrics
+            self.metrics, self.world_sizes = outcome.metrics, outcome.world_sizes
         raise_for_outcome(outcome, submit_error, staged)
 
     def _application_started(self, app_id: str, ui_url: str | None) -> None:

@@ -41,6 +41,11 @@ MAX_TEXT_CHARS = MAX_LINE_BYTES // 8
 #: A status carries the newest metrics that fit in this many bytes of JSON (``metrics_dropped``
 #: would not fit the fixed status fields: older ones are left out, the run's log says so).
 METRICS_BUDGET_BYTES = 384 * 1024
+#: A status carries the newest world-size changes that fit in this many bytes of JSON (an elastic
+#: run changes size once per loss or join, bounded by ``max_restarts``: this is room to spare).
+WORLD_SIZES_BUDGET_BYTES = 32 * 1024
+#: The longest ``reason`` of a world-size change a status carries (longer ones are cut).
+WORLD_SIZE_REASON_CHARS = 500
 #: Per failure, the tail of its traceback and the head of its message that a status carries.
 FAILURE_TRACEBACK_CHARS = 16 * 1024
 FAILURE_MESSAGE_CHARS = 4 * 1024

@@ -23,10 +23,12 @@ from airflow_provider_torchdist.lifeline.messages import (
     METRICS_BUDGET_BYTES,
     OWNER_QUEUE_LIMIT,
     REPLAY_LINES,
+    WORLD_SIZE_REASON_CHARS,
+    WORLD_SIZES_BUDGET_BYTES,
     MalformedMessage,
     encode,
 )
-from airflow_provider_torchdist.lifeline.status import RunStatus
+from airflow_provider_torchdist.lifeline.status import RunStatus, valid_world_size
 
 # -- the supervisor's side ------------------------------------------------------------------------
 
@@ -93,6 +95,7 @@ class RunState:
         self._error_kind: str | None = None
         self._failures: list[dict[str, Any]] = []
         self._metrics: list[dict[str, Any]] = []
+        self._world_sizes: list[dict[str, Any]] = []
         self._output: dict[str, Any] | None = None
         self._output_path: Path | None = None
         self._subscribers: list[_Subscription] = []
@@ -137,9 +140,11 @@ class RunState:
         metrics: list[dict[str, Any]] | None = None,
         output: dict[str, Any] | None = None,
         output_path: Path | None = None,
+        world_sizes: list[dict[str, Any]] | None = None,
     ) -> bool:
         """The run has ended: every owner gets ``done``. False (and nothing changes) if it had already.
-        A failed run's ``error_kind`` is ``"run"`` unless told (``"training"``)."""
+        A failed run's ``error_kind`` is ``"run"`` unless told (``"training"``). ``world_sizes``
+        (the driver's) keeps only well-formed entries, reasons cut to fit (:func:`_fitting_world_sizes`)."""
         if state not in ENDED_STATES:
             raise ValueError(f"a run ends as one of {ENDED_STATES}, not {state!r}")
         if error_kind not in ERROR_KINDS:
@@ -153,6 +158,7 @@ class RunState:
             self._failures = [_trimmed_failure(f) for f in failures or []]
             if metrics is not None:
                 self._metrics = list(metrics)
+            self._world_sizes = _fitting_world_sizes(world_sizes or [])
             self._output, self._output_path = output, output_path
             self._publish(self._done_message())
             return True
@@ -215,6 +221,7 @@ class RunState:
             output=self._output,
             last_seq=self._seq,
             elapsed_s=round(max(0.0, until - self._started), 3),
+            world_sizes=list(self._world_sizes),
         )
 
     def _done_message(self) -> bytes:
@@ -229,6 +236,19 @@ def _trimmed_failure(failure: dict[str, Any]) -> dict[str, Any]:
     if isinstance(failure.get("message"), str) and len(failure["message"]) > FAILURE_MESSAGE_CHARS:
         failure["message"] = failure["message"][:FAILURE_MESSAGE_CHARS] + " [cut]"
     return failure
+
+
+def _fitting_world_sizes(entries: list[Any]) -> list[dict[str, Any]]:
+    """What of the driver's ``world_sizes`` a status carries: each reason cut to
+    ``WORLD_SIZE_REASON_CHARS``, then the well-formed entries only (an owner refuses a status
+    holding any other), the newest that fit ``WORLD_SIZES_BUDGET_BYTES``."""
+    cut = [
+        {**e, "reason": e["reason"][:WORLD_SIZE_REASON_CHARS]}
+        if isinstance(e, dict) and isinstance(e.get("reason"), str)
+        else e
+        for e in entries
+    ]
+    return newest_that_fit([e for e in cut if valid_world_size(e)], WORLD_SIZES_BUDGET_BYTES)
 
 
 def newest_that_fit(

@@ -13,6 +13,7 @@ from airflow_provider_torchdist.lifeline.messages import (
     ENDED_STATES,
     ERROR_KINDS,
     STATES,
+    WORLD_SIZE_REASON_CHARS,
     _exact_keys,
     _is_int,
     _opt_str,
@@ -56,6 +57,24 @@ def _is_seconds(value: Any) -> bool:
     return type(value) in (int, float) and math.isfinite(value) and value >= 0
 
 
+#: The keys of one entry of ``world_sizes`` (``Outcome.world_sizes``).
+WORLD_SIZE_KEYS = frozenset({"time", "world_size", "reason"})
+
+
+def valid_world_size(value: Any) -> bool:
+    """One entry of ``world_sizes``: ``{"time": epoch seconds, "world_size": n >= 1, "reason": str}``
+    (the reason at most ``WORLD_SIZE_REASON_CHARS``), nothing else."""
+    return (
+        isinstance(value, dict)
+        and set(value) == WORLD_SIZE_KEYS
+        and _is_seconds(value["time"])
+        and _is_int(value["world_size"])
+        and value["world_size"] >= 1
+        and isinstance(value["reason"], str)
+        and len(value["reason"]) <= WORLD_SIZE_REASON_CHARS
+    )
+
+
 @dataclass(frozen=True)
 class RunStatus:
     """Where a supervised run stands. ``failures`` are :class:`RankFailure` dicts; ``output`` is
@@ -65,7 +84,8 @@ class RunStatus:
     application or the supervisor ended it first: :class:`SparkSubmitFailed`); None unless failed.
     ``metrics`` is the ``report()`` history so far (the newest records that fit), live while the run
     trains. ``elapsed_s`` is how long the run has gone on since its supervisor started: its duration
-    once it has ended."""
+    once it has ended. ``world_sizes`` is how the world size went over the run (``{"time",
+    "world_size", "reason"}`` entries, the newest that fit), known once it has ended."""
 
     state: str
     app_id: str | None = None
@@ -77,6 +97,7 @@ class RunStatus:
     output: dict[str, Any] | None = None
     last_seq: int = 0
     elapsed_s: float = 0.0
+    world_sizes: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ended(self) -> bool:
@@ -95,14 +116,16 @@ class RunStatus:
             "output": None if self.output is None else dict(self.output),
             "last_seq": self.last_seq,
             "elapsed_s": self.elapsed_s,
+            "world_sizes": [dict(w) for w in self.world_sizes],
         }
 
     @classmethod
     def from_dict(cls, data: Any) -> RunStatus:
         """A status as :meth:`to_dict` wrote it; :class:`MalformedMessage` for anything else."""
         _require(isinstance(data, dict), f"a status must be an object, got {type(data).__name__}")
-        # A supervisor of an earlier release (a run started before an upgrade) sends no elapsed_s.
-        data = {"elapsed_s": 0.0, **data}
+        # A supervisor of an earlier release (a run started before an upgrade) sends no elapsed_s
+        # (nor world_sizes).
+        data = {"elapsed_s": 0.0, "world_sizes": [], **data}
         _exact_keys(data, {f.name for f in dataclasses.fields(cls)}, "malformed status")
         problems = [
             name
@@ -123,6 +146,10 @@ class RunStatus:
                 ("output", data["output"] is None or _valid_output(data["output"])),
                 ("last_seq", _is_int(data["last_seq"]) and data["last_seq"] >= 0),
                 ("elapsed_s", _is_seconds(data["elapsed_s"])),
+                (
+                    "world_sizes",
+                    isinstance(data["world_sizes"], list) and all(map(valid_world_size, data["world_sizes"])),
+                ),
             )
             if not ok
         ]

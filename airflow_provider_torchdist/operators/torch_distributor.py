@@ -32,7 +32,13 @@ from airflow_provider_torchdist.run_owner import (
 )
 from airflow_provider_torchdist.run_record import RECORD_KEY, RunRecord
 from airflow_provider_torchdist.run_xcom import METRICS_XCOM_KEY as METRICS_XCOM_KEY  # public since 0.1
-from airflow_provider_torchdist.run_xcom import link_pusher, metrics_pusher, output_handler
+from airflow_provider_torchdist.run_xcom import WORLD_SIZES_XCOM_KEY as WORLD_SIZES_XCOM_KEY
+from airflow_provider_torchdist.run_xcom import (
+    link_pusher,
+    metrics_pusher,
+    output_handler,
+    push_world_sizes,
+)
 from airflow_provider_torchdist.settings_checks import build_spec, check_settings
 from airflow_provider_torchdist.spec import (
     SETTINGS,
@@ -295,7 +301,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
     def _follow(self, record: RunRecord, context: Any) -> Any:
         """Follow the run to its end as its owner and turn rank 0's output into the XCom value; the
         metric history goes to XCom as it grows (throttled) and whole at the end, and a succeeded
-        run's summary into the events of the ``outlets`` assets."""
+        run's world sizes to XCom and its summary into the events of the ``outlets`` assets."""
         hook = self._hook
         assert hook is not None
         ti = context["ti"]
@@ -318,10 +324,11 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
                 if followed:
                     raise
                 self.log.warning("Could not push the final metric history.", exc_info=True)
+        push_world_sizes(ti, hook.world_sizes)
         if self.outlets and hook.run_status is not None:
-            set_outlet_extra(
-                context, self.outlets, run_extra(hook.run_status, value, hook.spec.num_processes)
-            )
+            # The size it ended with: an elastic run's last one, else the one it had throughout.
+            world_size = hook.world_sizes[-1]["world_size"] if hook.world_sizes else hook.spec.max_processes
+            set_outlet_extra(context, self.outlets, run_extra(hook.run_status, value, world_size))
         return value
 
     def default_checkpoint_dir(self, context: Any) -> str:

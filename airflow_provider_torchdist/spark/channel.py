@@ -60,6 +60,8 @@ class _Connection:
     prefix: str
     #: The stage attempt of an agent's barrier task, from its ``NodeStarted``.
     generation: int = 0
+    #: Elastic runs: the worker-group generation that rank 0's ``WorldSize`` opened on this connection.
+    elastic_generation: int | None = None
 
 
 class RunChannel:
@@ -89,6 +91,7 @@ class RunChannel:
         owner_token: str | None = None,
         echo_stdout: bool = True,
         rank_filter: RankLogFilter | None = None,
+        on_world_size: Callable[[int], int] | None = None,
     ) -> None:
         self._token = token.encode()
         self._owner_token = owner_token.encode() if owner_token else None
@@ -109,6 +112,8 @@ class RunChannel:
         self.refusals: list[str] = []
         self._refusals_lock = threading.Lock()
         self._on_failure = on_failure
+        #: Elastic runs: rank 0's ``WorldSize`` goes here, which numbers the new generation.
+        self._on_world_size = on_world_size
         self._out = out or sys.stdout
         self._print_lock = threading.Lock()
         channel = self
@@ -249,6 +254,20 @@ class RunChannel:
                 "anything it printed after this is only in its executor's log"
             )
 
+    def _output_generation(self, this: _Connection) -> tuple[int, int]:
+        """Which generation's output a rank 0 connection carries; a later one replaces an earlier.
+
+        Fixed runs: (the node's registration, torchrun's restart count). Elastic runs: the
+        generation the driver numbered from this connection's ``WorldSize``, since rank 0 moves
+        between nodes and the nodes' restart counts differ.
+        """
+        assert this.peer.node is not None
+        if self._on_world_size is None:
+            return (this.peer.node.attempt, this.peer.generation)
+        if this.elastic_generation is None:
+            raise wire.ProtocolError("rank 0 of an elastic run sent its output before its world size")
+        return (this.elastic_generation, 0)
+
     def _refused(self, why: str | None) -> None:
         with self._refusals_lock:
             self.rejected += 1
@@ -288,8 +307,12 @@ class RunChannel:
                 self.ledger.master_announced(this.generation, host, port)
             case wire.MasterQuery(timeout=timeout) if agent:
                 this.sock.sendall(wire.encode(self.ledger.wait_for_master(this.generation, timeout)))
+            case wire.WorldSize(world_size=size) if rank == 0 and self._on_world_size:
+                if this.elastic_generation is not None:
+                    raise wire.ProtocolError("a second 'world_size' message on one connection")
+                this.elastic_generation = self._on_world_size(size)
             case wire.Output() | wire.OutputFile() if rank == 0:
-                generation = (node.attempt, this.peer.generation)
+                generation = self._output_generation(this)
                 receive_output(self.outputs, self._output_dir, msg, generation, this.rfile)
             case wire.Output() | wire.OutputFile():
                 raise wire.ProtocolError(f"rank {rank} sent an output; only global rank 0 may")

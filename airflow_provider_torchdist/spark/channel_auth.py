@@ -254,7 +254,8 @@ def authenticate(
     try:
         if hello.get("role") == "node":
             node = registry.register(hello.get("node"), hello.get("task"), peer_ip, hello.get("host"))
-            send_json(conn, {"key": node.key.hex()})
+            # The host too: an ordinary (elastic) task does not know its own as Spark names it.
+            send_json(conn, {"key": node.key.hex(), "host": node.host})
             return Peer("node", node)
         if hello.get("role") != "rank":
             raise HelloRefused(f"unknown role {hello.get('role')!r}")

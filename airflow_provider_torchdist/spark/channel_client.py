@@ -51,6 +51,8 @@ class ChannelClient:
         self._lock = threading.Lock()
         self.broken: str | None = None
         self.node_key = node_key
+        #: A node's host as Spark's scheduler runs it, from the driver (None for a rank).
+        self.host: str | None = None
         self._sock = socket.create_connection(tuple(address), timeout=HELLO_TIMEOUT_S)
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -63,6 +65,8 @@ class ChannelClient:
                 reply = read_json(self._sock, deadline)
             if "key" in reply:
                 self.node_key = bytes.fromhex(str(reply["key"]))
+                host = reply.get("host")
+                self.host = host if isinstance(host, str) and host else None
             elif reply.get("ok") is not True:
                 raise ChannelRefused(f"the driver refused this connection: {reply.get('error', reply)}")
         except (HelloRefused, OSError, ValueError) as exc:

@@ -11,8 +11,8 @@ import contextlib
 import functools
 import sys
 import threading
+import time
 from pathlib import Path
-from typing import Any
 
 from airflow_provider_torchdist.spark.channel import RunChannel
 from airflow_provider_torchdist.spark.events import emit
@@ -21,6 +21,7 @@ from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.outcome import Outcome
 from airflow_provider_torchdist.spark.owner import read_owner_token, write_channel_address
 from airflow_provider_torchdist.spark.rank_logs import rank_filter
+from airflow_provider_torchdist.spark.spark_context import first_line, stop_spark
 
 LOCAL_HOST = "127.0.0.1"
 
@@ -61,8 +62,17 @@ def run_local(spec: JobSpec, staging: Path) -> Outcome:
         emit("channel_close")
     emit("channel_closed")
     return Outcome(
-        ok=not channel.failures, failures=channel.failures, hosts=[LOCAL_HOST], metrics=channel.metrics
+        ok=not channel.failures,
+        failures=channel.failures,
+        hosts=[LOCAL_HOST],
+        metrics=channel.metrics,
+        world_sizes=[started(spec.num_processes)],
     )
+
+
+def started(world_size: int) -> dict[str, object]:
+    """A fixed-size run's one ``world_sizes`` entry."""
+    return {"time": time.time(), "world_size": world_size, "reason": "start"}
 
 
 def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
@@ -108,6 +118,7 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
             channel.application(sc.applicationId, sc.uiWebUrl or None)
             wait_for_slots(sc, spec.num_nodes, spec.slot_timeout, channel.say)
             sc.setJobGroup(group, f"torchdist training {spec.run_id}", interruptOnCancel=True)
+            world_sizes = [started(spec.num_processes)]
             stage = sc.parallelize(range(spec.num_nodes), spec.num_nodes).barrier()
             done = threading.Event()
             threading.Thread(
@@ -129,7 +140,7 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
                 error = _lost_executors(watch, channel, spec, exc)
                 # When a rank reported, its failure is the story; Spark's is only the cancellation.
                 if error is None and not channel.failures:
-                    error = _first_line(exc)
+                    error = first_line(exc)
             finally:
                 done.set()
             emit("channel_close")
@@ -141,33 +152,10 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
             error=error,
             hosts=_hosts(results),
             metrics=channel.metrics,
+            world_sizes=world_sizes,
         )
     finally:
         stop_spark(sc, fast=spec.fast_jvm_start)
-
-
-def release_accumulator_server(sc: Any) -> None:
-    """Seam (PySpark private): end the accumulator server's request loop before ``sc.stop()``.
-
-    PySpark's stop ends with ``shutdown()`` of that server, which waits for its ``serve_forever``
-    to poll again; this process exits right after and the server's thread is a daemon. No public
-    API does this. If PySpark renames the attribute, this does nothing and ``sc.stop()`` is only
-    slower (``tests/unit/test_spec.py`` lists this as one of the two allowed seams).
-    """
-    server = getattr(sc, "_accumulatorServer", None)
-    if server is not None:
-        server.server_shutdown = True  # ends its request handler's loop
-        sc._accumulatorServer = None
-
-
-def stop_spark(sc: Any, fast: bool = True) -> None:
-    """``sc.stop()``; with ``fast`` (``fast_jvm_start``), without waiting for the accumulator
-    server's poll loop (measured: ``sc.stop()`` took 0.94 s of a 5.8 s launch without this)."""
-    emit("spark_stop")
-    if fast:
-        release_accumulator_server(sc)
-    sc.stop()
-    emit("spark_stopped")
 
 
 def _say_while_waiting(channel: RunChannel, needed: int, done: threading.Event, every: float = 10.0) -> None:
@@ -206,14 +194,6 @@ def _hosts(results: list[str]) -> list[str]:
     return [r["host"] for r in sorted((json.loads(x) for x in results), key=lambda r: r["node"])]
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    for line in text.splitlines():
-        if "Exception" in line or "Error" in line:
-            return line.strip()[:2000]
-    return text[:2000]
-
-
 def main(argv: list[str]) -> int:
     """Run the job in ``argv[1]`` (the spec), write the outcome; return the exit code."""
     spec_path = Path(argv[1])
@@ -221,7 +201,12 @@ def main(argv: list[str]) -> int:
     spec = JobSpec.read(spec_path)
     emit("driver_start")
     try:
-        outcome = run_local(spec, staging) if spec.local_mode else run_distributed(spec, staging)
+        if spec.local_mode:
+            outcome = run_local(spec, staging)
+        else:
+            from airflow_provider_torchdist.spark.elastic_run import run_elastic
+
+            outcome = run_elastic(spec, staging) if spec.elastic else run_distributed(spec, staging)
     except Exception as exc:
         outcome = Outcome(ok=False, error=f"{type(exc).__name__}: {exc}")
     outcome.write(staging)

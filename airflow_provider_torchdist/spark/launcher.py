@@ -18,7 +18,7 @@ from torch.distributed import DistStoreError
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from airflow_provider_torchdist.spark.events import emit
@@ -35,15 +35,57 @@ _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
 
 
+#: Elastic runs: seconds between an agent's rendezvous heartbeats, and how many may be missed
+#: before the others count its node as gone (torch's defaults, 5 s x 3, would add 15 s to every
+#: resize after a loss).
+KEEP_ALIVE_INTERVAL_S = 1
+KEEP_ALIVE_MAX_ATTEMPTS = 3
+
+
+def elastic_launch_config(
+    spec: JobSpec, *, store: tuple[str, int], host: str, common: dict[str, Any]
+) -> LaunchConfig:
+    """torchrun ``--nnodes=MIN:MAX`` with the ``c10d`` rendezvous on the store the driver hosts.
+
+    No agent hosts the store (``is_host=False``): the node that would host it may be the one lost.
+    ``join_window`` is torchrun's last call: once MIN nodes have joined, how long the rendezvous
+    still waits for more, up to MAX. ``rendezvous_timeout`` is how long it waits for MIN at all.
+    """
+    return LaunchConfig(
+        min_nodes=spec.min_nodes,
+        max_nodes=spec.num_nodes,
+        nproc_per_node=spec.nproc_per_node,
+        rdzv_endpoint=f"{store[0]}:{store[1]}",
+        rdzv_configs={
+            "is_host": False,
+            "join_timeout": spec.rendezvous_timeout,
+            "last_call_timeout": spec.join_window,
+            "close_timeout": 30,
+            "keep_alive_interval": KEEP_ALIVE_INTERVAL_S,
+            "keep_alive_max_attempt": KEEP_ALIVE_MAX_ATTEMPTS,
+            "timeout": spec.rendezvous_timeout,
+        },
+        local_addr=host,
+        **{**common, "rdzv_backend": "c10d"},
+    )
+
+
 def launch_config(
-    spec: JobSpec, *, node_rank: int, master: tuple[str, int] | None, host: str, log_dir: str
+    spec: JobSpec,
+    *,
+    node_rank: int,
+    master: tuple[str, int] | None,
+    host: str,
+    log_dir: str,
+    store: tuple[str, int] | None = None,
 ) -> LaunchConfig:
     """torchrun's configuration for one node: static rendezvous, node rank = Spark partition id.
 
     Spark already placed the barrier tasks, so nothing is left for an elastic rendezvous to decide.
     The backend is torch's ``static`` with its store listening only on the address the nodes use
     (``spark/rendezvous.py``): task 0's address in distributed mode, 127.0.0.1 in local mode (one
-    node, the ``--standalone`` case), instead of every interface.
+    node, the ``--standalone`` case), instead of every interface. An elastic run (``store``: the
+    driver's rendezvous store) is :func:`elastic_launch_config`'s.
     """
     common: dict[str, Any] = dict(
         run_id=spec.run_id,
@@ -55,6 +97,8 @@ def launch_config(
         rdzv_backend=register_rendezvous(),
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
+    if store is not None:
+        return elastic_launch_config(spec, store=store, host=host, common=common)
     if master is None:
         return LaunchConfig(
             min_nodes=1,
@@ -102,6 +146,11 @@ def rank_environment(spec: JobSpec, host: str, nproc: int, task_cpus: int | None
     if spec.socket_ifname:  # an explicit choice beats whatever the cluster set
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = spec.socket_ifname
     env["TORCHDIST_RUN_ID"] = spec.run_id
+    if spec.elastic:
+        # Each generation's rank 0 then serves its group's store afresh. Shared, the agents keep the
+        # first generation's address, which a lost node takes with it, and a node that joins later
+        # looks under another restart count's prefix than the survivors.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if spec.debug:
         env.update(DEBUG_ENV)
     env.update(spec.rank_env)
@@ -132,6 +181,15 @@ def rendezvous_failure(
     spec: JobSpec, exc: Exception, host: str, master: tuple[str, int] | None
 ) -> RankFailure:
     """A rendezvous that did not complete in time, said in the terms the user can act on."""
+    if spec.elastic:
+        return RankFailure(
+            rank=None,
+            host=host,
+            exc_type="RendezvousTimeout",
+            message=f"fewer than MIN={spec.min_processes} ranks met within rendezvous_timeout="
+            f"{spec.rendezvous_timeout}s ({type(exc).__name__}: {exc}): nodes were lost and no "
+            "replacement joined in time, or the cluster has fewer free task slots than MIN needs.",
+        )
     where = f"task 0's address {master[0]}:{master[1]}" if master else "the driver"
     return RankFailure(
         rank=None,
@@ -154,16 +212,18 @@ def launch_node(
     task_cpus: int | None = None,
     output_dir: str | None = None,
     node_key: bytes,
+    store: tuple[str, int] | None = None,
 ) -> list[RankFailure]:
     """Run this node's ranks to the end; return their failures (empty when all succeeded).
 
     ``master`` is node 0's rendezvous address in distributed mode, None in local mode;
     ``task_cpus`` the barrier task's ``spark.task.cpus`` (the ranks share them); ``output_dir`` the
     driver's output directory when this node runs on the driver (rank 0 writes its value there);
-    ``node_key`` the key the driver gave this node, with which its ranks prove who they are.
+    ``node_key`` the key the driver gave this node, with which its ranks prove who they are;
+    ``store`` the driver's rendezvous store in an elastic run (``master`` is then None).
     """
     emit("agent_start", node=node_rank)
-    nproc = spec.num_processes if master is None else spec.nproc_per_node
+    nproc = spec.nproc_per_node if master is not None or store is not None else spec.num_processes
     os.environ.update(rank_environment(spec, host, nproc, task_cpus))
     # The PID in the name lets a later run's supervisor sweep the directory once this process is
     # dead (killed before the finally below ran): see airflow_provider_torchdist/sweep.py.
@@ -172,7 +232,9 @@ def launch_node(
     # ones it had, or it would not die when its daemon later tells it to.
     saved = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
     try:
-        config = launch_config(spec, node_rank=node_rank, master=master, host=host, log_dir=log_dir)
+        config = launch_config(
+            spec, node_rank=node_rank, master=master, host=host, log_dir=log_dir, store=store
+        )
         # The node key reaches the forked ranks as an argument, not through the environment.
         elastic_launch(config, run_rank)(
             spec, entry_path, channel_address, host, output_dir, node_rank, node_key
@@ -180,12 +242,17 @@ def launch_node(
         return []
     except ChildFailedError as exc:
         return [failure_from_process(rank, f, host) for rank, f in sorted(exc.failures.items())]
+    except RendezvousClosedError:
+        # Elastic runs: this node came late (a retried or pending task) and the run's last worker
+        # group has already finished and closed the rendezvous. Nothing is left for it to do.
+        emit("rendezvous_closed", node=node_rank)
+        return []
     except (DistStoreError, RendezvousTimeoutError) as exc:
         return [rendezvous_failure(spec, exc, host, master)]
     except SignalException as exc:  # the agent itself was told to stop; it stopped its ranks first
         why = (
             "Spark ended this task (its executor went away, or the stage was cancelled)"
-            if master is not None
+            if master is not None or store is not None
             else "the driver was told to stop (the task was killed or timed out)"
         )
         return [

@@ -61,6 +61,9 @@ class Outcome:
     hosts: list[str] = field(default_factory=list)
     #: What training code reported with ``report()``, in arrival order.
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    #: The world size over the run: ``{"time": epoch seconds, "world_size": n, "reason": why}``,
+    #: one entry at the start and one per change (elastic runs).
+    world_sizes: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -245,6 +245,19 @@ class OutputFile(Message):
 
 
 @dataclass(frozen=True)
+class WorldSize(Message):
+    """Global rank 0 of an elastic run's worker group: the group it starts has this many ranks."""
+
+    KIND = "world_size"
+    SCHEMA = (("world_size", "n", _INT, False),)
+    world_size: int
+
+    def check(self) -> None:
+        if not 0 < self.world_size <= 1 << 20:
+            raise ProtocolError(f"'world_size' message: bad world size {self.world_size}")
+
+
+@dataclass(frozen=True)
 class Bye(Message):
     """A clean close: a connection that ends without one is reported in the log."""
 

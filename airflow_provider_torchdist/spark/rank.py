@@ -23,7 +23,7 @@ from airflow_provider_torchdist.spark.channel_client import ChannelClient
 from airflow_provider_torchdist.spark.events import emit
 from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.output_capture import OutputCapture
-from airflow_provider_torchdist.spark.protocol import rank_prefix
+from airflow_provider_torchdist.spark.protocol import WorldSize, rank_prefix
 from airflow_provider_torchdist.spark.rank_output import send_output
 
 _PR_SET_PDEATHSIG = 1
@@ -173,6 +173,10 @@ def run_rank(
     except OSError as exc:
         print(f"[torchdist] {prefix} cannot reach the driver at {channel_address}: {exc}", file=sys.stderr)
         client = None
+    if client and spec.elastic and rank == 0:
+        # Each generation of an elastic run has one rank 0: the driver learns the new world size
+        # from it (and numbers the generation whose output this rank's connection may carry).
+        client.send(WorldSize(int(os.environ["WORLD_SIZE"])))
     rank_context.set_client(client)  # for report()
     capture = OutputCapture(client, prefix)
     capture.start()

@@ -10,6 +10,7 @@ as it happens. :func:`metric_history` chooses between the two.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from airflow_provider_torchdist.ui.figures import FINISHED_STATES
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
+#: A rendered ``num_processes``: ``"4"``, or an elastic ``"2:4"`` (group 1 is the most ranks).
+_RENDERED_WORLD_SIZE = re.compile(r"\s*(?:[0-9]+\s*:\s*)?([0-9]+)\s*")
 #: How long the view waits for a run's supervisor before it shows XCom's history instead.
 LIVE_TIMEOUT_S = 3.0
 
@@ -48,10 +51,12 @@ class TaskFactsReader(Protocol):
 
 
 def world_size_of(rendered_fields: Any) -> int | None:
-    """The rendered ``num_processes`` (the operator's world size); None when it is not there."""
+    """The rendered ``num_processes`` (the operator's world size; for an elastic ``"MIN:MAX"``, MAX,
+    the most ranks the run trains with); None when it is not there."""
     value = rendered_fields.get("num_processes") if isinstance(rendered_fields, dict) else None
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
+    if isinstance(value, str):
+        match = _RENDERED_WORLD_SIZE.fullmatch(value)
+        value = int(match[1]) if match else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 

@@ -30,12 +30,19 @@ Python::
         subprocess.run([info.spark_submit, *info.spark_submit_args(), "app.py"], env=info.driver_env())
 """
 
-from tests.cluster.cluster import cluster_status, spark_cluster, start_cluster, stop_cluster
+from tests.cluster.cluster import (
+    cluster_status,
+    restart_lost_workers,
+    spark_cluster,
+    start_cluster,
+    stop_cluster,
+)
 from tests.cluster.daemons import cluster_processes
 from tests.cluster.netns import check_netns_connectivity, leftover_network
 from tests.cluster.state import ClusterError, ClusterInfo, WorkerInfo
 
 __all__ = [
+    "restart_lost_workers",
     "ClusterError",
     "ClusterInfo",
     "WorkerInfo",

@@ -30,6 +30,7 @@ from tests.cluster.netns import (
     check_netns_connectivity,
     cleanup_network,
     leftover_network,
+    netns_pids,
     setup_network,
     worker_names,
 )
@@ -186,6 +187,28 @@ def start_cluster(
     info.timings = {k: round(v, 3) for k, v in timings.items()}
     write_state(info)
     return info
+
+
+def restart_lost_workers(info: ClusterInfo, timeout: float = 90.0, daemon_memory: str = "256m") -> list[int]:
+    """Start again every Worker whose daemon is gone (a test killed it), on the same host; wait until
+    all are registered. Whatever was left in a lost Worker's namespace is SIGKILLed first.
+
+    Returns the indexes of the Workers started again.
+    """
+    restarted = []
+    for w in info.workers:
+        if is_alive(w.pid):
+            continue
+        if w.netns:
+            for pid in netns_pids(w.netns):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, 9)
+        start_worker(info, w, daemon_memory, None)
+        restarted.append(w.index)
+    if restarted:
+        write_state(info)
+        wait_registered(info, time.monotonic() + timeout, {}, {})
+    return restarted
 
 
 def _clean_stale(prefix: str, netns: bool) -> None:

@@ -21,7 +21,16 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import SparkSubmitFailed, TrainingFailed
-from tests.cluster import ClusterInfo, leftover_network, start_cluster, stop_cluster
+from airflow_provider_torchdist.processes import command_line
+from tests.cluster import (
+    ClusterInfo,
+    WorkerInfo,
+    leftover_network,
+    restart_lost_workers,
+    start_cluster,
+    stop_cluster,
+)
+from tests.cluster.netns import netns_pids
 
 pytestmark = pytest.mark.integration
 
@@ -40,19 +49,23 @@ HEARTBEAT_TIMEOUT_15S = {
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[ClusterInfo]:
-    """Master + 4 one-core workers, each in its own network namespace (its own "host").
-
-    Each test loses one worker and a run takes two, so the three tests share one cluster.
-    """
+def two_hosts() -> Iterator[ClusterInfo]:
+    """Master + 2 one-core workers, each in its own network namespace (its own "host")."""
     if os.geteuid() != 0:
         pytest.fail("the worker-loss test needs root to create network namespaces (CI runs as root)")
-    info = start_cluster(workers=4, cores=1, memory="1g", netns=True, prefix=PREFIX, subnet=SUBNET)
+    info = start_cluster(workers=2, cores=1, memory="1g", netns=True, prefix=PREFIX, subnet=SUBNET)
     try:
         yield info
     finally:
         stop_cluster(info)
     assert not leftover_network(PREFIX)
+
+
+@pytest.fixture
+def cluster(two_hosts: ClusterInfo) -> ClusterInfo:
+    """The module's cluster with both workers alive: each test loses one, and the next starts it again."""
+    restart_lost_workers(two_hosts)
+    return two_hosts
 
 
 def train_until_stopped(marker_dir: str, seconds: float) -> int:
@@ -210,3 +223,214 @@ def test_worker_lost_mid_training_fails_the_run_clearly_and_leaves_nothing(
     left = {name: pid for name, pid in survivor_pids.items() if _alive(pid)}
     assert not left, f"left running on the surviving worker: {left}"
     assert _alive(trees[survivor]["worker"])  # the surviving Worker itself is untouched
+
+
+# Elastic runs (num_processes="MIN:MAX") on the same two hosts: the loss of a node is survived while
+# MIN ranks remain, and fails the run, naming the loss, when fewer do.
+
+
+def _cluster_hook(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, **settings: object
+) -> TorchDistributorHook:
+    conn = {"conn_type": "spark", "host": f"spark://{cluster.master_host}", "port": cluster.master_port}
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_WORKER_LOSS", json.dumps(conn))
+    return TorchDistributorHook(
+        conn_id="spark_worker_loss",
+        conf={
+            "spark.driver.host": DRIVER_HOST,
+            "spark.driver.bindAddress": DRIVER_HOST,
+            "spark.executor.memory": "512m",
+            "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+        },
+        env_vars={"SPARK_LOCAL_IP": DRIVER_HOST},
+        **settings,  # type: ignore[arg-type]
+    )
+
+
+def train_elastic(marker_dir: str, steps: int) -> dict[str, int]:
+    """``steps`` allreduces, resuming from the latest checkpoint; each worker group's ranks note
+    their PID and world size in ``w<world size>-rank<rank>.json`` as they start."""
+    import torch
+    import torch.distributed as dist
+
+    from airflow_provider_torchdist import load_latest_checkpoint, save_checkpoint
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start, state = load_latest_checkpoint() or (0, None)
+    total = state["total"] if state else 0.0
+    Path(marker_dir, f"w{world}-rank{rank}.json").write_text(
+        json.dumps({"pid": os.getpid(), "start": start, "at": time.time()})
+    )
+    for step in range(start, steps):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        total += float(t.item())
+        if step % 5 == 4:
+            save_checkpoint({"total": total}, step + 1)
+        time.sleep(0.05)
+    dist.destroy_process_group()
+    return {"rank": rank, "world_size": world, "resumed_from": start}
+
+
+def _run_in_thread(hook: TorchDistributorHook, *args: object) -> tuple[threading.Thread, list, list]:
+    result: list[object] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(hook.run(train_elastic, *args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            errors.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    return runner, result, errors
+
+
+def _wait_for_markers(directory: Path, names: list[str], runner: threading.Thread, errors: list) -> None:
+    deadline = time.monotonic() + 150
+    while not all((directory / n).exists() for n in names):
+        assert runner.is_alive() and time.monotonic() < deadline, f"ranks never started: {errors}"
+        time.sleep(0.1)
+
+
+def _kill_host_of(rank_pid: int, cluster: ClusterInfo) -> WorkerInfo:
+    """SIGKILL the Worker and executor JVMs above ``rank_pid``; returns that Worker."""
+    tree = _run_tree(rank_pid, {w.pid for w in cluster.workers})
+    lost = next(w for w in cluster.workers if w.pid == tree["worker"])
+    for pid in (tree["worker"], tree["executor"]):
+        os.kill(pid, signal.SIGKILL)
+    return lost
+
+
+def test_elastic_range_starts_with_the_free_slots(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_leftovers: None
+) -> None:
+    """ "2:4" on a cluster with 2 free slots: trains at world size 2; the 2 tasks that find no slot
+    until the run is over end cleanly."""
+    hook = _cluster_hook(
+        cluster, monkeypatch, num_processes="2:4", join_window=2, checkpoint_dir=str(tmp_path / "ckpt")
+    )
+    value = hook.run(train_elastic, str(tmp_path), 20)
+    assert value == {"rank": 0, "world_size": 2, "resumed_from": 0}
+    assert [(e["world_size"], e["reason"]) for e in hook.world_sizes] == [(2, "start")]
+
+
+def test_elastic_run_survives_losing_the_host_of_rank_0(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_leftovers: None
+) -> None:
+    """ "1:2" loses the host of rank 0 mid-training: the survivor goes on alone from the latest
+    checkpoint, as rank 0 of world size 1, in the same run; nothing is left on the lost host."""
+    hook = _cluster_hook(
+        cluster,
+        monkeypatch,
+        num_processes="1:2",
+        join_window=2,
+        max_restarts=2,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
+    runner, result, errors = _run_in_thread(hook, str(tmp_path), 300)
+    _wait_for_markers(tmp_path, ["w2-rank0.json", "w2-rank1.json"], runner, errors)
+    time.sleep(2.0)  # well into training: checkpoints written
+    rank0 = json.loads((tmp_path / "w2-rank0.json").read_text())
+    lost = _kill_host_of(rank0["pid"], cluster)
+    killed_at = time.time()
+    runner.join(240)
+    if runner.is_alive():
+        hook.on_kill()
+        runner.join(30)
+        pytest.fail("the elastic run did not finish within 240 s of the loss")
+
+    assert not errors, errors
+    value = result[0]
+    assert isinstance(value, dict)
+    resumed = json.loads((tmp_path / "w1-rank0.json").read_text())
+    print(
+        f"training resumed at world size 1 {resumed['at'] - killed_at:.1f}s after the loss, from step {resumed['start']}"
+    )
+    assert value["rank"] == 0 and value["world_size"] == 1  # the last generation's rank 0
+    assert value["resumed_from"] == resumed["start"] > 0  # from the checkpoint, not from scratch
+    sizes = hook.world_sizes
+    assert [e["world_size"] for e in sizes] == [2, 1], sizes
+    assert sizes[1]["reason"] == f"lost the node on {lost.host}"
+    assert sizes[0]["time"] < killed_at < sizes[1]["time"]
+    # Nothing of the run is left on the lost host (its namespace holds no process).
+    assert lost.netns is not None
+    deadline = time.monotonic() + 20
+    while netns_pids(lost.netns) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {pid: command_line(pid)[:120] for pid in netns_pids(lost.netns)}
+    assert not left, f"left running on the lost host: {left}"
+
+
+def test_elastic_run_below_min_fails_naming_the_loss(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_leftovers: None
+) -> None:
+    """ "2:3" with one slot left after a loss: no replacement can join, so the run fails after
+    rendezvous_timeout, naming the lost node."""
+    hook = _cluster_hook(
+        cluster,
+        monkeypatch,
+        num_processes="2:3",
+        join_window=2,
+        max_restarts=2,
+        rendezvous_timeout=20,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
+    runner, result, errors = _run_in_thread(hook, str(tmp_path), 600)
+    _wait_for_markers(tmp_path, ["w2-rank0.json", "w2-rank1.json"], runner, errors)
+    time.sleep(1.0)
+    rank1 = json.loads((tmp_path / "w2-rank1.json").read_text())
+    lost = _kill_host_of(rank1["pid"], cluster)
+    killed_at = time.monotonic()
+    runner.join(120)
+    took = time.monotonic() - killed_at
+    if runner.is_alive():
+        hook.on_kill()
+        runner.join(30)
+        pytest.fail("the elastic run below MIN was still going 120 s after the loss")
+
+    assert not result, result
+    assert len(errors) == 1 and isinstance(errors[0], TrainingFailed), errors
+    message = str(errors[0])
+    print(f"failed {took:.1f}s after the loss: {message}")
+    assert f"the node on {lost.host} (lost at" in message
+    assert "fewer than MIN=2 ranks" in message
+
+
+def test_elastic_run_grows_back_when_the_lost_host_returns(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_leftovers: None
+) -> None:
+    """ "1:2" loses the host of rank 1, goes on at world size 1, and takes the host back in when its
+    Worker returns: Spark's task retry runs the lost node again there, and it joins at the next
+    rendezvous."""
+    hook = _cluster_hook(
+        cluster,
+        monkeypatch,
+        num_processes="1:2",
+        join_window=2,
+        max_restarts=3,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
+    runner, result, errors = _run_in_thread(hook, str(tmp_path), 900)
+    _wait_for_markers(tmp_path, ["w2-rank0.json", "w2-rank1.json"], runner, errors)
+    time.sleep(1.0)
+    rank1 = json.loads((tmp_path / "w2-rank1.json").read_text())
+    lost = _kill_host_of(rank1["pid"], cluster)
+    _wait_for_markers(tmp_path, ["w1-rank0.json"], runner, errors)
+    assert restart_lost_workers(cluster) == [lost.index]  # the host's Worker is back
+    runner.join(240)
+    if runner.is_alive():
+        hook.on_kill()
+        runner.join(30)
+        pytest.fail("the elastic run did not finish within 240 s")
+
+    assert not errors, errors
+    assert result[0]["world_size"] == 2  # the last generation had both hosts again
+    sizes = hook.world_sizes
+    assert [(e["world_size"], e["reason"]) for e in sizes] == [
+        (2, "start"),
+        (1, f"lost the node on {lost.host}"),
+        (2, "a node joined"),
+    ], sizes

@@ -7,11 +7,13 @@ Row ids match the table's "test" column. Run-time rows live in tests/integration
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -217,6 +219,42 @@ PARSE_TIME = [
         id="output_path-relative",
     ),
     pytest.param(
+        {"num_processes": "4:2"},
+        r"num_processes='4:2': MIN=4 is more than MAX=2\. Write the fewest ranks first: num_processes=\"2:4\"",
+        id="num_processes-range-upside-down",
+    ),
+    pytest.param(
+        {"num_processes": "0:2"},
+        r"num_processes='0:2': MIN must be at least 1",
+        id="num_processes-range-min-0",
+    ),
+    pytest.param(
+        {"num_processes": "2:"},
+        r'num_processes must be an integer >= 1 or an elastic range "MIN:MAX" of two whole numbers',
+        id="num_processes-range-malformed",
+    ),
+    pytest.param(
+        {"num_processes": "2:3", "nproc_per_node": 2},
+        r"num_processes='2:3': MAX=3 is not a multiple of nproc_per_node=2.*num_processes=\"2:4\"",
+        id="num_processes-range-not-whole-nodes",
+    ),
+    pytest.param(
+        {"num_processes": "2:4", "local_mode": True},
+        r"num_processes='2:4' is an elastic range, but local_mode=True runs every rank on the Spark "
+        r"driver.*no node to lose or add",
+        id="num_processes-range-local_mode",
+    ),
+    pytest.param(
+        {"join_window": "ten"},
+        r"join_window must be an integer >= 1, got 'ten'",
+        id="join_window-not-an-integer",
+    ),
+    pytest.param(
+        {"join_window": 0},
+        r"join_window must be an integer >= 1, got 0",
+        id="join_window-zero",
+    ),
+    pytest.param(
         {"output_path": "file://host/outputs"},
         r"output_path 'file://host/outputs' is not an absolute path.*Write file:///absolute/path",
         id="output_path-file-uri-with-host",
@@ -249,6 +287,44 @@ def test_good_values_of_the_new_checks_are_accepted() -> None:
     # fast_jvm_start is a setting of its own now; spark_submit_kwargs still takes it, as before.
     assert op.fast_jvm_start is False and "fast_jvm_start" not in op.spark_submit_kwargs
     assert op.training_spec().fast_jvm_start is False
+
+
+def test_good_elastic_values_are_accepted_and_normalized() -> None:
+    op = TorchDistributorOperator(
+        task_id="train", train_object=_train, num_processes=" 2 : 4 ", nproc_per_node=2, join_window="1"
+    )
+    assert (op.num_processes, op.join_window) == ("2:4", 1)
+    spec = op.training_spec()
+    assert (spec.elastic, spec.min_processes, spec.max_processes) == (True, 2, 4)
+    assert (spec.min_nodes, spec.num_nodes) == (1, 2)
+
+
+def test_templated_range_rendering_to_a_bad_range_is_refused_before_the_hook(
+    no_submit: list[str], made_hooks: list[TorchDistributorHook]
+) -> None:
+    op = TorchDistributorOperator(
+        task_id="train", train_object=_train, num_processes="{{ params.min }}:{{ params.max }}"
+    )  # left alone when the DAG is parsed
+    op.render_template_fields({"params": {"min": 4, "max": 2}})
+    with pytest.raises(InvalidTrainingConfig, match=r"num_processes='4:2': MIN=4 is more than MAX=2"):
+        op.execute({"ti": _TI()})
+    assert made_hooks == [] and no_submit == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_processes": "4:2"}, r"MIN=4 is more than MAX=2"),
+        ({"num_processes": "0:2"}, r"MIN must be at least 1"),
+        ({"num_processes": "2:3", "nproc_per_node": 2}, r"MAX=3 is not a multiple of nproc_per_node=2"),
+        ({"num_processes": "2:4", "local_mode": True}, r"no node to lose or add"),
+        ({"join_window": 1.5}, r"join_window must be an integer >= 1, got 1\.5"),
+    ],
+    ids=["upside-down", "min-0", "not-whole-nodes", "local_mode", "join_window"],
+)
+def test_bad_elastic_settings_are_refused_by_the_hook_too(kwargs: dict, message: str) -> None:
+    with pytest.raises(InvalidTrainingConfig, match=message):
+        TorchDistributorHook(**kwargs)
 
 
 def test_ssl_with_allow_unencrypted_is_accepted() -> None:
@@ -458,30 +534,53 @@ class _FakeMaster(BaseHTTPRequestHandler):
         pass
 
 
-def test_too_many_processes_for_the_cluster(
-    monkeypatch: pytest.MonkeyPatch, staging: Path, no_submit: list[str]
-) -> None:
+@pytest.fixture
+def small_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The Spark connection names a master whose web UI is :class:`_FakeMaster` (4 slots of 1 core)."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeMaster)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = server.server_address[1]
+    conn = {
+        "conn_type": "spark",
+        "host": "spark://127.0.0.1",
+        "port": port,  # answers TCP, like a master would
+        "extra": {"master-web-ui": f"http://127.0.0.1:{port}"},
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps(conn))
     try:
-        conn = {
-            "conn_type": "spark",
-            "host": "spark://127.0.0.1",
-            "port": port,  # answers TCP, like a master would
-            "extra": {"master-web-ui": f"http://127.0.0.1:{port}"},
-        }
-        monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps(conn))
-        hook = TorchDistributorHook(num_processes=6, staging_dir=str(staging))
-        with pytest.raises(
-            InvalidTrainingConfig,
-            match=r"needs 6 task slot\(s\).*never offer more than 4.*Lower num_processes",
-        ):
-            hook.run(_train)
+        yield
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.usefixtures("small_cluster")
+def test_too_many_processes_for_the_cluster(staging: Path, no_submit: list[str]) -> None:
+    hook = TorchDistributorHook(num_processes=6, staging_dir=str(staging))
+    with pytest.raises(
+        InvalidTrainingConfig,
+        match=r"needs 6 task slot\(s\).*never offer more than 4.*Lower num_processes",
+    ):
+        hook.run(_train)
     _refused_before_submit(hook, staging, no_submit)
+
+
+@pytest.mark.usefixtures("small_cluster")
+def test_an_elastic_run_needs_only_its_min_nodes_slots() -> None:
+    """An elastic run starts once MIN's nodes have joined: only a cluster that can never fit MIN
+    fails fast, and the message says it is MIN that does not fit."""
+    from airflow_provider_torchdist.preflight import check_cluster_capacity
+
+    log = logging.getLogger("test")
+    fits = TorchDistributorHook(num_processes="2:8")  # 8 > the cluster's 4 slots, 2 fit
+    assert check_cluster_capacity(fits.spec, fits.target, log) is None
+    too_big = TorchDistributorHook(num_processes="6:8")
+    with pytest.raises(
+        InvalidTrainingConfig,
+        match=r"The elastic run \(num_processes='6:8'\) needs at least 6 task slot\(s\) of 1 cores each "
+        r"at once to start \(MIN=6 ranks\), but the cluster .* can never offer more than 4",
+    ):
+        check_cluster_capacity(too_big.spec, too_big.target, log)
 
 
 @pytest.mark.parametrize("name", ["torchdist_driver.py", "a,b.py", "a#b.py"])

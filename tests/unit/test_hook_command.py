@@ -281,6 +281,18 @@ def test_run_returns_rank0_value_and_cleans_up(tmp_path, fake_spark):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_hooks_world_sizes_are_the_outcomes_after_a_run(tmp_path, fake_spark):
+    sizes = [
+        {"time": 1.0, "world_size": 4, "reason": "start"},
+        {"time": 2.5, "world_size": 2, "reason": "lost"},
+    ]
+    hook = TorchDistributorHook(num_processes="2:4", nproc_per_node=2, staging_dir=str(tmp_path))
+    assert hook.world_sizes == []  # before a run
+    fake_spark.outcome = Outcome(ok=True, world_sizes=sizes)
+    hook.run(_add, 1)
+    assert hook.world_sizes == sizes
+
+
 def _pair(a, b=0):
     return (a, {b})  # not JSON-native: rank 0 pickles it
 

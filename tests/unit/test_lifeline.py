@@ -291,6 +291,54 @@ def test_status_round_trips_and_is_checked_strictly():
         RunStatus.from_dict({k: v for k, v in status.to_dict().items() if k != "last_seq"})
 
 
+WORLD_SIZES = [
+    {"time": 1767225600.0, "world_size": 4, "reason": "start"},
+    {"time": 1767225660, "world_size": 2, "reason": "lost node 1"},
+]
+
+
+def test_world_sizes_round_trip_and_are_checked_strictly():
+    status = RunStatus(state="succeeded", world_sizes=WORLD_SIZES)
+    assert RunStatus.from_dict(json.loads(json.dumps(status.to_dict()))) == status
+    good = WORLD_SIZES[0]
+    for bad in (
+        {"world_sizes": {"a": 1}},
+        {"world_sizes": [1]},
+        {"world_sizes": [{**good, "world_size": 0}]},
+        {"world_sizes": [{**good, "world_size": True}]},
+        {"world_sizes": [{**good, "world_size": 2.0}]},
+        {"world_sizes": [{**good, "time": "now"}]},
+        {"world_sizes": [{**good, "time": float("nan")}]},
+        {"world_sizes": [{**good, "time": -1.0}]},
+        {"world_sizes": [{**good, "reason": None}]},
+        {"world_sizes": [{**good, "reason": "x" * 501}]},
+        {"world_sizes": [{**good, "extra": 1}]},
+        {"world_sizes": [{"time": 1.0, "world_size": 2}]},
+    ):
+        with pytest.raises(MalformedMessage, match="world_sizes"):
+            RunStatus.from_dict({**status.to_dict(), **bad})
+    # A supervisor of an earlier release sends none: a run started before an upgrade still reattaches.
+    earlier = {k: v for k, v in status.to_dict().items() if k != "world_sizes"}
+    assert RunStatus.from_dict(earlier).world_sizes == []
+
+
+def test_a_finished_run_carries_the_well_formed_world_sizes_that_fit():
+    state = RunState()
+    long = {"time": 2.0, "world_size": 3, "reason": "y" * 10_000}
+    state.finish(
+        "succeeded", world_sizes=[*WORLD_SIZES, {"time": 1.0, "world_size": -2, "reason": ""}, 7, long]
+    )
+    carried = state.status().world_sizes
+    assert carried[:2] == WORLD_SIZES and len(carried) == 3
+    assert carried[2]["reason"] == "y" * 500 and len(long["reason"]) == 10_000  # cut, not changed
+    assert RunStatus.from_dict(state.status().to_dict()).world_sizes == carried
+    many = [{"time": float(i), "world_size": 2, "reason": "r" * 400} for i in range(1000)]
+    fitting = RunState()
+    fitting.finish("succeeded", world_sizes=many)
+    kept = fitting.status().world_sizes
+    assert 0 < len(kept) < 1000 and kept[-1] == many[-1]  # the newest that fit
+
+
 def test_a_status_query_shows_the_metric_history_so_far_and_the_time_elapsed(served):
     """A deferred run has no task process: its progress is what a status query returns."""
     now = [100.0]

@@ -16,7 +16,12 @@ from airflow_provider_torchdist.lifeline import DoneEvent, LineEvent, MetricEven
 from airflow_provider_torchdist.lifeline.messages import METRICS_BUDGET_BYTES
 from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
 from airflow_provider_torchdist.run_record import RunRecord
-from airflow_provider_torchdist.run_xcom import METRICS_XCOM_KEY, ThrottledPush, metrics_pusher
+from airflow_provider_torchdist.run_xcom import (
+    METRICS_XCOM_KEY,
+    WORLD_SIZES_XCOM_KEY,
+    ThrottledPush,
+    metrics_pusher,
+)
 from tests.unit.conftest import wait_until
 
 RECORD = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
@@ -236,8 +241,14 @@ def test_the_operator_pushes_the_first_report_at_once_and_the_whole_history_at_t
             hook.on_metrics(hook.metrics)
         return "value"
 
-    hook = SimpleNamespace(follow=follow, metrics=[], spec=op.training_spec(), run_status=None)
+    hook = SimpleNamespace(
+        follow=follow, metrics=[], spec=op.training_spec(), run_status=None, world_sizes=[]
+    )
     op._hook = hook
     ti = RecordingTI()
     assert op._follow(RECORD, {"ti": ti}) == "value"
-    assert ti.pushes == [(METRICS_XCOM_KEY, history[:1]), (METRICS_XCOM_KEY, history)]
+    assert ti.pushes == [
+        (METRICS_XCOM_KEY, history[:1]),
+        (METRICS_XCOM_KEY, history),
+        (WORLD_SIZES_XCOM_KEY, []),  # a succeeded run's, after its metrics
+    ]

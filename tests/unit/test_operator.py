@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.operators.torch_distributor import METRICS_XCOM_KEY, TorchDistributorOperator
+from airflow_provider_torchdist.operators.torch_distributor import (
+    METRICS_XCOM_KEY,
+    WORLD_SIZES_XCOM_KEY,
+    TorchDistributorOperator,
+)
 from airflow_provider_torchdist.results import (
     ENVELOPE_KEY,
     ENVELOPE_VERSION,
@@ -202,7 +206,7 @@ def test_execute_returns_xcom_value_and_pushes_metrics(faked_spark):
     assert torch.equal(load_output(value, expect={"run_id": "manual__1"}), torch.arange(3) * 2.0)
     with pytest.raises(OutputSignatureError, match="comes from run_id='manual__1'"):
         load_output(value, expect={"run_id": "manual__2"})
-    assert ti.pushed == {METRICS_XCOM_KEY: [{"rank": 0, "step": 0, "loss": 1.0}]}
+    assert ti.pushed == {METRICS_XCOM_KEY: [{"rank": 0, "step": 0, "loss": 1.0}], WORLD_SIZES_XCOM_KEY: []}
     spec = faked_spark.spec
     assert (spec.num_processes, spec.nproc_per_node) == (4, 2)
     [hook] = faked_spark.hooks
@@ -228,6 +232,35 @@ def test_execute_pushes_metrics_even_when_training_fails(faked_spark):
     with pytest.raises(TrainingFailed, match="nan loss"):
         _op().execute({"ti": ti})
     assert ti.pushed[METRICS_XCOM_KEY][0]["step"] == 5
+    assert WORLD_SIZES_XCOM_KEY not in ti.pushed  # only a succeeded run's
+
+
+ELASTIC_SIZES = [
+    {"time": 1767225600.0, "world_size": 4, "reason": "start"},
+    {"time": 1767225660.5, "world_size": 2, "reason": "lost node 1 (executor 3 on host-b)"},
+    {"time": 1767225720, "world_size": 4, "reason": "node 1 rejoined"},
+]
+
+
+def test_a_succeeded_run_pushes_its_world_sizes(faked_spark):
+    """From the driver's outcome through the supervisor's status to the hook and XCom."""
+    faked_spark.outcome = Outcome(ok=True, world_sizes=ELASTIC_SIZES)
+    ti = FakeTI()
+    op = _op(num_processes="2:4", nproc_per_node=2)
+    op.execute({"ti": ti})
+    assert ti.pushed[WORLD_SIZES_XCOM_KEY] == ELASTIC_SIZES
+    [hook] = faked_spark.hooks
+    assert hook.world_sizes == ELASTIC_SIZES == hook.run_status.world_sizes
+    assert (hook.spec.num_processes, hook.spec.min_nodes, hook.spec.num_nodes) == ("2:4", 1, 2)
+
+
+def test_a_malformed_world_size_from_the_driver_is_left_out_not_fatal(faked_spark):
+    faked_spark.outcome = Outcome(
+        ok=True, world_sizes=[ELASTIC_SIZES[0], {"time": 1.0, "world_size": 0, "reason": "?"}, {"x": 1}]
+    )
+    ti = FakeTI()
+    _op().execute({"ti": ti})
+    assert ti.pushed[WORLD_SIZES_XCOM_KEY] == [ELASTIC_SIZES[0]]
 
 
 def test_make_hook_passes_settings(tmp_path):

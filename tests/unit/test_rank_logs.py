@@ -33,6 +33,15 @@ def test_log_ranks_beyond_the_world_fail_when_the_dag_is_parsed() -> None:
         TorchDistributorOperator(task_id="t", train_object=print, log_ranks=[0, 4], num_processes=4)
 
 
+def test_an_elastic_runs_log_ranks_may_name_any_rank_below_max() -> None:
+    assert build_spec(log_ranks=[0, 3], num_processes="2:4").log_ranks == [0, 3]
+    with pytest.raises(
+        InvalidTrainingConfig,
+        match=r"log_ranks names rank\(s\) \[4\], but the run has ranks 0..3 \(num_processes='2:4'\)",
+    ):
+        TorchDistributorOperator(task_id="t", train_object=print, log_ranks="0,4", num_processes="2:4")
+
+
 def test_filtered_lines_go_to_a_private_file_and_a_failing_ranks_tail_shows_once(tmp_path) -> None:
     assert rank_filter("all", tmp_path) is None
     f = rank_filter([0], tmp_path)

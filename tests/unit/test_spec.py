@@ -240,9 +240,9 @@ ALLOWED_PRIVATE_ACCESS = {
     # job and stage counts). Every distributed integration run goes through it.
     ("spark/jvm_status.py", "sc._jsc"),
     ("spark/jvm_status.py", "sc._jvm"),
-    # The second: PySpark's accumulator server, released before sc.stop() (driver.py,
+    # The second: PySpark's accumulator server, released before sc.stop() (spark_context.py,
     # release_accumulator_server; fast_jvm_start). Measured 0.94 s of sc.stop() without it.
-    ("spark/driver.py", "sc._accumulatorServer"),
+    ("spark/spark_context.py", "sc._accumulatorServer"),
 }
 
 

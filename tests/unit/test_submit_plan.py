@@ -168,6 +168,26 @@ def test_topology_conf():
     assert topology_conf(build_spec(num_processes=4, local_mode=True)) == {}  # the driver does the work
 
 
+def test_an_elastic_run_takes_max_cores_and_task_retries_for_its_lost_nodes():
+    spec = build_spec(num_processes="2:6", nproc_per_node=2, max_restarts=3)
+    assert topology_conf(spec) == {
+        "spark.task.cpus": "2",
+        "spark.cores.max": "6",  # MAX: the stage at its largest
+        "spark.task.maxFailures": "5",  # max_restarts + 2
+    }
+    gpu = build_spec(num_processes="2:4", nproc_per_node=2, use_gpu=True)
+    assert topology_conf(gpu)["spark.task.maxFailures"] == "2"  # the default max_restarts, 0
+    assert "spark.task.maxFailures" not in topology_conf(build_spec(num_processes=4, nproc_per_node=2))
+    # The user's conf wins.
+    mine = build_spec(num_processes="2:4", conf={"spark.task.maxFailures": "10"})
+    assert spark_properties(mine, EMBEDDED, None, {})["spark.task.maxFailures"] == "10"
+    assert spark_properties(spec, EMBEDDED, None, {})["spark.task.maxFailures"] == "5"
+
+
+def test_the_embedded_master_has_a_slot_for_each_rank_an_elastic_run_may_take():
+    assert resolve_target(build_spec(num_processes="2:6")).master == "local[6]"
+
+
 # -- Spark's authentication on the embedded master -----------------------------------------------
 
 

@@ -102,6 +102,14 @@ def test_world_size_is_the_rendered_num_processes():
     )
 
 
+def test_an_elastic_runs_world_size_is_its_max():
+    assert world_size_of({"num_processes": "2:4"}) == 4
+    assert world_size_of({"num_processes": " 2 : 4 "}) == 4
+    assert (
+        world_size_of({"num_processes": "1:2:3"}) is None and world_size_of({"num_processes": "2:"}) is None
+    )
+
+
 # -- where the history comes from -----------------------------------------------------------------
 
 RECORD = {"run_id": "r", "host": "127.0.0.1", "port": 1, "durable": True, "reattach_timeout": 600.0}
