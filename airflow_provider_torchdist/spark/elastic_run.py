@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,9 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
     from airflow_provider_torchdist.spark.scheduler_identity import SchedulerVerifier
     from airflow_provider_torchdist.spark.slots import wait_for_slots
 
+    # The driver serves the rendezvous store, so it needs torch (about a second to import): import it
+    # while the JVM starts, which mostly waits on another process.
+    threading.Thread(target=importlib.import_module, args=("torch.distributed",), daemon=True).start()
     emit("spark_context_start")
     sc = SparkContext.getOrCreate()
     emit("spark_context_up")

@@ -26,6 +26,8 @@ def isolated_airflow_home(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 _RUN_PROCESS = ("pyspark", "torchdist", "org.apache.spark.deploy.SparkSubmit", "CoarseGrainedExecutorBackend")
+#: A test cluster's own daemons (a test may start a lost Worker again): not part of any run.
+_CLUSTER_DAEMON = ("org.apache.spark.deploy.worker.Worker", "org.apache.spark.deploy.master.Master")
 
 
 def _run_processes() -> dict[int, str]:
@@ -33,6 +35,8 @@ def _run_processes() -> dict[int, str]:
     found = {}
     for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = " ".join(proc.info["cmdline"] or [])
+        if any(daemon in cmd for daemon in _CLUSTER_DAEMON):
+            continue
         if proc.info["status"] != psutil.STATUS_ZOMBIE and any(marker in cmd for marker in _RUN_PROCESS):
             found[proc.info["pid"]] = cmd
     return found
