@@ -245,3 +245,21 @@ large_output()
 bad_submit()
 log_ranks()
 log_ranks_failure()
+
+
+@dag(dag_id="torchdist_e2e_elastic", schedule=None, start_date=START, catchup=False)
+def elastic():
+    """An elastic range on the embedded master (local[2]): both nodes join within the window; a
+    downstream task reads the world-size history from XCom."""
+    trained = TorchDistributorOperator(
+        task_id="train", train_object=train, args=[1.0], num_processes="{{ '1:2' }}", join_window=2
+    )
+
+    @task
+    def sizes(ti=None) -> list:
+        return [(e["world_size"], e["reason"]) for e in ti.xcom_pull(task_ids="train", key="world_sizes")]
+
+    trained >> sizes()
+
+
+elastic()

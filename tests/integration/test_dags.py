@@ -26,6 +26,7 @@ DAG_IDS = [
     "torchdist_e2e_module_distributed",
     "torchdist_e2e_log_ranks",
     "torchdist_e2e_log_ranks_failure",
+    "torchdist_e2e_elastic",
 ]
 
 
@@ -160,3 +161,12 @@ def test_large_output_travels_by_reference(dag_runs: tuple[dict, Path, str]) -> 
     assert Path(pushed["ref"].removeprefix("file://")).stat().st_size == pushed["size"]
     summary = xcom(db, dag_id, states[dag_id]["run_id"], "evaluate")
     assert summary == {"rank": 0, "numel": 2_000_000, "sum": 2_000_000.0}
+
+
+def test_an_elastic_range_trains_and_its_world_sizes_reach_xcom(dag_runs: tuple[dict, Path, str]) -> None:
+    states, db, output = dag_runs
+    dag_id = "torchdist_e2e_elastic"
+    assert states[dag_id]["state"] == "success", output[-5000:]
+    run_id = states[dag_id]["run_id"]
+    assert xcom(db, dag_id, run_id, "sizes") == [[2, "start"]]  # the templated "1:2" took both nodes
+    assert "elastic: training starts with world size 2" in output
