@@ -257,7 +257,7 @@ def elastic():
 
     @task
     def sizes(ti=None) -> list:
-        return [(e["world_size"], e["reason"]) for e in ti.xcom_pull(task_ids="train", key="world_sizes")]
+        return [[e["world_size"], e["reason"]] for e in ti.xcom_pull(task_ids="train", key="world_sizes")]
 
     trained >> sizes()
 
