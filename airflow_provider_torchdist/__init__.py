@@ -3,7 +3,8 @@
 Public names: :class:`TorchDistributorOperator`, :class:`TorchDistributorHook`, :func:`load_output`,
 :func:`output_origin`,
 and for training code :func:`report`, :func:`save_checkpoint`, :func:`load_latest_checkpoint`
-and :func:`checkpoint_dir`.
+and :func:`checkpoint_dir`, and for reading ``train_data`` in a rank :func:`rank_shard` (a
+memory-mapped ``pyarrow.Table``) and :func:`rank_batches` (dicts of tensors).
 They load lazily, so the Spark side (``airflow_provider_torchdist.spark``), which ships to the
 cluster inside this package, never imports Airflow.
 """
@@ -21,6 +22,8 @@ __all__ = [
     "load_latest_checkpoint",
     "load_output",
     "output_origin",
+    "rank_batches",
+    "rank_shard",
     "report",
     "save_checkpoint",
 ]
@@ -34,6 +37,8 @@ _LAZY = {
     "checkpoint_dir": "airflow_provider_torchdist.spark.checkpoints",
     "save_checkpoint": "airflow_provider_torchdist.spark.checkpoints",
     "load_latest_checkpoint": "airflow_provider_torchdist.spark.checkpoints",
+    "rank_shard": "airflow_provider_torchdist.spark.rank_data",
+    "rank_batches": "airflow_provider_torchdist.spark.rank_data",
 }
 
 if TYPE_CHECKING:
@@ -46,6 +51,7 @@ if TYPE_CHECKING:
         save_checkpoint,
     )
     from airflow_provider_torchdist.spark.metrics import report
+    from airflow_provider_torchdist.spark.rank_data import rank_batches, rank_shard
 
 
 def __getattr__(name: str) -> Any:

@@ -122,13 +122,16 @@ def _culprit(label: str, obj: Any, depth: int = 0) -> str | None:
     return f"{label} ({type(obj).__name__}): {error}"
 
 
-def pickle_payload(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> bytes:
-    """cloudpickle the callable with its arguments, user modules by value; name what fails."""
+def pickle_payload(
+    fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], *, label: str = "train_object"
+) -> bytes:
+    """cloudpickle the callable with its arguments, user modules by value; name what fails
+    (``label``: the setting the callable came from)."""
     with _by_value(modules_to_pickle_by_value()):
         try:
             return _dumps({"fn": fn, "args": tuple(args), "kwargs": kwargs})
         except Exception:
-            pieces = [("train_object " + getattr(fn, "__qualname__", repr(fn)), fn)]
+            pieces = [(f"{label} " + getattr(fn, "__qualname__", repr(fn)), fn)]
             pieces += [(f"args[{i}]", a) for i, a in enumerate(args)]
             pieces += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
             culprit = next(filter(None, (_culprit(label, obj) for label, obj in pieces)), None)

@@ -85,6 +85,22 @@ def _log_ranks(value: Any, name: str) -> str | list[int]:
     return sorted({int(p) for p in parts})
 
 
+def _train_data(value: Any, name: str) -> Any:
+    """None, a callable ``fn(spark) -> DataFrame``, or a non-empty query or table name."""
+    if value is None or callable(value):
+        return value
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    raise InvalidTrainingConfig(
+        f'{name} must be a Spark SQL query ("SELECT ... FROM parquet.`/path`"), a table name '
+        f'("db.table") or a callable fn(spark) -> DataFrame, got {type(value).__name__}: {value!r}'
+    )
+
+
+def _optional_non_negative_int(value: Any, name: str) -> int | None:
+    return None if value is None or value == "" else check_int(value, name, minimum=0)
+
+
 def _env_dict(value: Any, name: str) -> dict[str, str]:
     return {k: str(v) for k, v in _str_dict(value, name).items()}
 
@@ -127,6 +143,8 @@ CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "env_dict": _env_dict,
     "str_list": _str_list,
     "log_ranks": _log_ranks,
+    "train_data": _train_data,
+    "optional_non_negative_int": _optional_non_negative_int,
     "submit_kwargs": lambda v, n: _submit_kwargs(_str_dict(v, n)),
     "checkpoint_dir": _optional_dir(checkpoint_dir_path),
     "output_path": _optional_dir(output_dir_path),
@@ -185,6 +203,16 @@ def _check_together(s: dict[str, Any], at_parse_time: bool) -> None:
     if ready("num_processes", "nproc_per_node", "local_mode"):
         s["num_processes"], s["nproc_per_node"], s["local_mode"] = check_topology(
             s["num_processes"], s["nproc_per_node"], s["local_mode"]
+        )
+    if (
+        ready("train_data", "num_processes")
+        and s["train_data"] is not None
+        and isinstance(s["num_processes"], str)
+    ):
+        raise InvalidTrainingConfig(
+            f"train_data with an elastic num_processes={s['num_processes']!r} is not supported yet: each "
+            "rank's shard is cut for one world size, and it cannot follow a resize. Use a fixed "
+            "num_processes with train_data, or read the data in the training function."
         )
     if ready("log_ranks", "num_processes") and s["log_ranks"] != "all":
         # An elastic run's ranks are 0..MAX-1 at its largest: a rank it may reach is a fair choice.

@@ -230,6 +230,30 @@ class TrainingSpec:
         scope=SUBMIT,
         check="str_list",
     )
+    train_data: Any = setting(
+        None,
+        'Spark data for the ranks: a Spark SQL query (``"SELECT x, y FROM parquet.`/data/train`"``), a '
+        "table name (``db.table``, read with ``spark.table``), or a callable ``fn(spark) -> DataFrame`` "
+        "(cloudpickled, run by the driver). Each rank reads its shard with ``rank_shard()`` or "
+        "``rank_batches()``.",
+        templated=True,
+        check="train_data",
+    )
+    train_data_shuffle_seed: int | None = setting(
+        None,
+        "with ``train_data``: deal the rows to the ranks in a seeded order instead of the query's "
+        "(the same shards on every retry); None: in order.",
+        templated=True,
+        check="optional_non_negative_int",
+    )
+    train_data_keep_remainder: bool = setting(
+        False,
+        "with ``train_data``: keep every row, the first ranks getting one more; default False: every "
+        "rank gets the same number of rows (at most ``world_size - 1`` rows are dropped, and the log "
+        "says how many), so that DDP does not hang on uneven inputs.",
+        templated=True,
+        check="bool",
+    )
     spark_submit_kwargs: dict[str, Any] = setting(
         {},
         "other ``SparkSubmitHook`` settings: ``executor_memory``, ``driver_memory``, "
@@ -292,6 +316,8 @@ class TrainingSpec:
             conn_id=DEFAULT_CONN_ID,
             staging_dir=None,
             py_files=[],
+            # A callable travels pickled in the staging directory (``DATA_FILE``), read by the driver.
+            train_data=None if callable(self.train_data) else self.train_data,
         )
 
 

@@ -22,6 +22,7 @@ from airflow_provider_torchdist.payload import (
 )
 from airflow_provider_torchdist.payload import pickle_payload
 from airflow_provider_torchdist.spark.jobspec import (
+    DATA_FILE,
     OUTCOME_FILE,
     OUTPUT_FILE,
     PAYLOAD_FILE,
@@ -177,10 +178,15 @@ def stage_run(
             raise InvalidTrainingConfig(_ARGV_ONLY.format(what="a script's"))
         kind, entry, data = "script", script.name, script.read_bytes()
         script_args = [str(a) for a in args]
+    data_fn = training.train_data if training is not None and callable(training.train_data) else None
+    data_source = None if data_fn is None else pickle_payload(data_fn, [], {}, label="train_data")
     staging = Path(tempfile.mkdtemp(prefix="torchdist-", dir=base_dir))
     try:
         if data is not None:  # a module is imported on the ranks, nothing to ship
             _write_private(staging / entry, data)
+        if data_source is not None:  # for the driver, which runs on this machine: not shipped
+            _write_private(staging / DATA_FILE, data_source)
+            run_fields["data_file"] = DATA_FILE
         spec = JobSpec.for_run(
             training or TrainingSpec(),
             kind=kind,

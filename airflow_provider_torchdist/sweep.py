@@ -11,7 +11,8 @@ dead process of this user:
   task waits for that one minute at most). A staging directory without ``supervisor.json`` is an
   in-process run's (``hook.run()``), which may train for hours with nothing to tell it is alive:
   it is never touched.
-- ``torchdist-agent-<pid>-<random>`` directories whose agent process ``pid`` is dead.
+- ``torchdist-agent-<pid>-<random>`` directories whose agent process ``pid`` is dead, and
+  ``torchdist-data-<pid>-<random>`` ones (a node's ``train_data`` shards) whose task's is.
 
 Only real directories (no symlinks) owned by this user are considered. Example::
 
@@ -43,7 +44,7 @@ SUPERVISOR_MODULE = "airflow_provider_torchdist.supervisor"
 STALE_AFTER_S = 600.0
 STAGING_PREFIX = "torchdist-"
 AGENT_PREFIX = "torchdist-agent-"
-_AGENT_DIR = re.compile(r"torchdist-agent-(\d+)-.+")
+_AGENT_DIR = re.compile(r"torchdist-(?:agent|data)-(\d+)-.+")
 
 
 def sweep_stale(

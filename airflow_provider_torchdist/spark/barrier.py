@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from airflow_provider_torchdist.spark.channel_client import ChannelClient
 from airflow_provider_torchdist.spark.events import emit
@@ -58,7 +58,11 @@ def shared_output_dir(driver_output_dir: str | None) -> str | None:
 
 
 def barrier_task(
-    spec: JobSpec, channel_address: tuple[str, int], driver_output_dir: str | None, _: Iterator[int]
+    spec: JobSpec,
+    channel_address: tuple[str, int],
+    driver_output_dir: str | None,
+    _: Iterator[int],
+    prepare: Callable[[], None] | None = None,
 ) -> Iterator[str]:
     """Rendezvous with the other tasks, then run this node's ranks with torchrun's agent.
 
@@ -66,7 +70,8 @@ def barrier_task(
     there to the driver over the run channel, and the other tasks get it from the driver the moment
     it arrives (Spark's ``allGather`` would do the same but polls once a second). A failure goes to
     the driver over the same channel, so the driver can cancel the whole stage at once instead of
-    waiting for collectives to time out.
+    waiting for collectives to time out. ``prepare`` runs first, as part of the node (its failure is
+    the node's): a run with ``train_data`` writes the node's shards there.
     """
     from pyspark import BarrierTaskContext, SparkFiles
 
@@ -87,6 +92,8 @@ def barrier_task(
     )
     client.send(NodeStarted())
     try:
+        if prepare is not None:
+            prepare()
         gpus = ctx.resources().get("gpu")
         os.environ.update(gpu_environment(spec, list(gpus.addresses) if gpus else None))
         if node == 0:  # before importing torch, so the other tasks need not wait for that

@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from airflow_provider_torchdist.spark.channel import RunChannel
+from airflow_provider_torchdist.spark.data_shards import (
+    DATA_DIR_ENV,
+    TrainDataError,
+    distributed_shards,
+    has_train_data,
+    local_shards,
+)
 from airflow_provider_torchdist.spark.events import emit
 from airflow_provider_torchdist.spark.executor_loss import ExecutorWatch, lost_executor_message, wait_for_loss
 from airflow_provider_torchdist.spark.jobspec import JobSpec
@@ -48,6 +57,12 @@ def run_local(spec: JobSpec, staging: Path) -> Outcome:
         channel.say(f"local mode: {spec.num_processes} process(es) on the driver")
         if channel.rank_filter:
             channel.say(channel.rank_filter.announcement())
+        if has_train_data(spec):
+            try:
+                os.environ[DATA_DIR_ENV] = str(local_shards(spec, staging, channel.say))
+            except TrainDataError as exc:
+                channel.say(str(exc))
+                return Outcome(ok=False, error=str(exc), hosts=[LOCAL_HOST])
         node = channel.registry.add_local(0, LOCAL_HOST)
         failures = launch_node(
             spec,
@@ -118,6 +133,13 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
             channel.application(sc.applicationId, sc.uiWebUrl or None)
             wait_for_slots(sc, spec.num_nodes, spec.slot_timeout, channel.say)
             sc.setJobGroup(group, f"torchdist training {spec.run_id}", interruptOnCancel=True)
+            shards = None
+            if has_train_data(spec):
+                try:
+                    shards = distributed_shards(sc, spec, staging, channel.say)
+                except TrainDataError as exc:
+                    channel.say(str(exc))
+                    return Outcome(ok=False, error=str(exc))
             world_sizes = [started(spec.num_processes)]
             stage = sc.parallelize(range(spec.num_nodes), spec.num_nodes).barrier()
             done = threading.Event()
@@ -131,9 +153,12 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
             try:
                 with watch:
                     emit("barrier_stage_submitted")
-                    results = stage.mapPartitions(
-                        functools.partial(barrier_task, spec, channel.address, str(staging))
-                    ).collect()
+                    if shards is None:
+                        results = stage.mapPartitions(
+                            functools.partial(barrier_task, spec, channel.address, str(staging))
+                        ).collect()
+                    else:
+                        results = data_stage(shards, spec, channel.address, str(staging))
                     emit("barrier_stage_done")
             except Exception as exc:
                 results = []
@@ -156,6 +181,17 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
         )
     finally:
         stop_spark(sc, fast=spec.fast_jvm_start)
+
+
+def data_stage(
+    shards: tuple[Any, Any], spec: JobSpec, channel_address: tuple[str, int], staging: str
+) -> list[str]:
+    """The barrier stage of a run with ``train_data``: one task per node over its rows."""
+    from airflow_provider_torchdist.spark.data_shards import data_barrier_task
+
+    nodes, schema = shards
+    task = functools.partial(data_barrier_task, spec, channel_address, staging, schema)
+    return [row["result"] for row in nodes.mapInArrow(task, "result string", barrier=True).collect()]
 
 
 def _say_while_waiting(channel: RunChannel, needed: int, done: threading.Event, every: float = 10.0) -> None:

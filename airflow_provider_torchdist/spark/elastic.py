@@ -8,9 +8,9 @@ lost node back when a slot frees up; a task that arrives after the run finished 
 rendezvous closed and ends at once.
 
 When Spark loses an executor, the ranks on the other hosts may block in a collective until gloo's
-timeout (30 minutes). So the driver forces the restart: it bumps a counter in its store
-(:meth:`RendezvousStore.restart_survivors`), and every agent's :class:`RestartWatch` stops its
-workers that were started before it saw the bump. Their agents then restart them, which
+timeout (30 minutes). So the driver forces the restart: it writes a signed request naming the
+loss into its store (:meth:`RendezvousStore.restart_survivors`), and every agent's
+:class:`RestartWatch` stops its workers that were started before the loss. Their agents then restart them, which
 re-rendezvouses at the new size; the ranks resume from ``load_latest_checkpoint``.
 """
 
@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -31,7 +30,7 @@ from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.outcome import RankFailure
 from airflow_provider_torchdist.spark.protocol import NodeStarted
 
-#: The store key the driver bumps when a node is lost (outside torch's ``torch.rendezvous.`` keys).
+#: The store key of the driver's restart request (outside torch's ``torch.rendezvous.`` keys).
 RESTART_KEY = "torchdist/restart"
 #: How often an agent looks at the counter.
 WATCH_EVERY_S = 0.2
@@ -44,10 +43,14 @@ class RendezvousStore:
     the executors reach the driver at (``master_listen_fd``, as ``spark/rendezvous.py`` does).
     """
 
-    def __init__(self, host: str, timeout: float) -> None:
+    def __init__(self, host: str, timeout: float, token: str) -> None:
         from torch.distributed import TCPStore
 
         from airflow_provider_torchdist.spark.network import listen_on
+        from airflow_provider_torchdist.spark.signed_rendezvous import run_key
+
+        self._key = run_key(token, "restart")
+        self._restarts = 0
 
         listener = listen_on(host, 0)
         port = listener.getsockname()[1]
@@ -63,25 +66,37 @@ class RendezvousStore:
         )
         self.address = (host, port)
 
-    def restart_survivors(self) -> int:
-        """Tell every agent to restart its workers now; returns the new count of such requests."""
-        return int(self._store.add(RESTART_KEY, 1))
+    def restart_survivors(self, lost_at: float) -> int:
+        """Tell every agent to restart its workers that started before ``lost_at`` (epoch seconds);
+        returns the count of such requests. Signed: the store has no authentication."""
+        from airflow_provider_torchdist.spark.signed_rendezvous import seal
+
+        self._restarts += 1
+        request = json.dumps({"n": self._restarts, "before": lost_at}).encode()
+        self._store.set(RESTART_KEY, seal(self._key, request))
+        return self._restarts
 
 
 class RestartWatch:
-    """An agent's watch on the driver's restart counter: a bump stops this node's current workers.
+    """An agent's watch on the driver's restart requests: a new one stops this node's workers that
+    started before the loss it names.
 
-    Only workers started before the bump was seen are stopped, so a worker group that already
-    re-formed after the loss (its ranks saw their peers' sockets close) is left alone.
+    A worker group that re-formed after the loss (its ranks saw their peers' sockets close) is left
+    alone. The request is signed with the run's key; one that does not verify is ignored, so a
+    stranger who reaches the store cannot make the run spend its restarts.
     """
 
-    def __init__(self, store: tuple[str, int], timeout: float) -> None:
+    def __init__(self, store: tuple[str, int], timeout: float, token: str) -> None:
         from torch.distributed import TCPStore
 
+        from airflow_provider_torchdist.spark.signed_rendezvous import run_key
+
+        self._key = run_key(token, "restart")
         self._client = TCPStore(
             store[0], store[1], is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
         )
-        self._seen = int(self._client.add(RESTART_KEY, 0))
+        self._seen = 0
+        self._seen = self._request()[0]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torchdist-restart-watch", daemon=True)
         #: How many times this node's workers were stopped for a restart.
@@ -95,20 +110,33 @@ class RestartWatch:
         self._stop.set()
         self._thread.join(5)
 
+    def _request(self) -> tuple[int, float]:
+        """The latest verified request: ``(its number, the loss time)``; ``(0, 0.0)`` for none."""
+        from airflow_provider_torchdist.spark.signed_rendezvous import unseal
+
+        if not self._client.check([RESTART_KEY]):
+            return 0, 0.0
+        try:
+            request = json.loads(unseal(self._key, self._client.get(RESTART_KEY), "restart request"))
+            return int(request["n"]), float(request["before"])
+        except Exception:  # unsigned, forged or malformed: not the driver's
+            return self._seen, 0.0
+
     def _run(self) -> None:
         while not self._stop.wait(WATCH_EVERY_S):
             try:
-                count = int(self._client.add(RESTART_KEY, 0))
+                number, lost_at = self._request()
             except Exception:  # the driver is gone: the run is ending, Spark ends this task
                 return
-            if count > self._seen:
-                self._seen = count
+            if number > self._seen:
+                self._seen = number
                 self.restarts += 1
-                stop_workers_started_before(time.time())
+                stop_workers_started_before(lost_at)
 
 
 def stop_workers_started_before(seen_at: float) -> list[int]:
-    """SIGKILL this agent's worker processes created before ``seen_at``; returns their PIDs.
+    """SIGKILL this agent's worker processes created before ``seen_at`` (epoch seconds, the
+    driver's clock: hosts' clocks must agree to within about a second); returns their PIDs.
 
     SIGKILL, because a rank blocked in a collective does not run Python signal handlers. The
     agent sees the workers fail and restarts them (one of ``max_restarts``).
@@ -150,7 +178,11 @@ def elastic_task(
     client = ChannelClient.as_node(
         channel_address, spec.token, node=node, task_attempt=ctx.taskAttemptId(), host=None
     )
-    host = client.host or "127.0.0.1"
+    if client.host is None:
+        raise RuntimeError(
+            "the driver did not tell this node its host: the driver and executors run different versions"
+        )
+    host = client.host
     client.send(NodeStarted())
     failures: list[RankFailure]
     try:
@@ -158,7 +190,7 @@ def elastic_task(
         os.environ.update(gpu_environment(spec, list(gpus.addresses) if gpus else None))
         from airflow_provider_torchdist.spark.launcher import launch_node  # imports torch
 
-        with RestartWatch(store, spec.rendezvous_timeout):
+        with RestartWatch(store, spec.rendezvous_timeout, spec.token):
             failures = launch_node(
                 spec,
                 node_rank=node,

@@ -12,15 +12,19 @@ import functools
 import importlib
 import json
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.spark.channel import RunChannel
+from airflow_provider_torchdist.spark.elastic import RendezvousStore
 from airflow_provider_torchdist.spark.events import emit
 from airflow_provider_torchdist.spark.executor_loss import ExecutorWatch
 from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.outcome import Outcome
 from airflow_provider_torchdist.spark.owner import read_owner_token, write_channel_address
+from airflow_provider_torchdist.spark.protocol import ProtocolError
 from airflow_provider_torchdist.spark.rank_logs import rank_filter
 from airflow_provider_torchdist.spark.spark_context import first_line, stop_spark
 from airflow_provider_torchdist.spark.world_sizes import WorldSizeHistory
@@ -31,7 +35,7 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
     on the rendezvous store this driver serves (:mod:`.elastic`)."""
     from pyspark import SparkContext
 
-    from airflow_provider_torchdist.spark.elastic import RendezvousStore, elastic_task
+    from airflow_provider_torchdist.spark.elastic import elastic_task
     from airflow_provider_torchdist.spark.scheduler_identity import SchedulerVerifier
     from airflow_provider_torchdist.spark.slots import wait_for_slots
 
@@ -50,7 +54,9 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
 
     try:
         host = sc.getConf().get("spark.driver.host")
-        history = WorldSizeHistory(say=lambda text: channel.say(text))
+        store = RendezvousStore(host, timeout=spec.rendezvous_timeout + 60, token=spec.token)
+        monitor = ElasticMonitor(spec, store, cancel, say=lambda text: channel.say(text))
+        history = monitor.history
         channel = RunChannel(
             spec.token,
             host,
@@ -63,9 +69,8 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
             owner_token=owner_token,
             echo_stdout=owner_token is None,
             rank_filter=rank_filter(spec.log_ranks, staging),
-            on_world_size=history.generation,
+            on_world_size=monitor.world_size,
         )
-        store = RendezvousStore(host, timeout=spec.rendezvous_timeout + 60)
         with channel:
             write_channel_address(staging, channel.address)
             channel.say(
@@ -79,18 +84,8 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
             wait_for_slots(sc, spec.min_nodes, spec.slot_timeout, channel.say)
             sc.setJobGroup(group, f"torchdist elastic training {spec.run_id}", interruptOnCancel=True)
             stage = sc.parallelize(range(spec.num_nodes), spec.num_nodes)
-            noted: set[str] = set()
-
-            def lost() -> None:
-                # Survivors may block in a collective with the lost ranks: restart them now.
-                for address, lost_host in list(watch.lost.items()):
-                    if address not in noted:
-                        noted.add(address)
-                        history.node_lost(lost_host)
-                store.restart_survivors()
-
             error = None
-            watch = ExecutorWatch(sc, lost)
+            watch = ExecutorWatch(sc, lambda: monitor.lost(watch.lost))
             try:
                 with watch:
                     emit("elastic_stage_submitted")
@@ -103,7 +98,10 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
                 if not channel.failures:
                     error = first_line(exc)
             failures = channel.failures
-            if failures and history.losses:
+            if monitor.gave_up:
+                error = _elastic_loss_error(spec, history, failures, nobody_left=True)
+                channel.say(error)
+            elif failures and history.losses:
                 error = _elastic_loss_error(spec, history, failures)
                 channel.say(error)
             emit("channel_close")
@@ -120,9 +118,72 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
         stop_spark(sc, fast=spec.fast_jvm_start)
 
 
-def _elastic_loss_error(spec: JobSpec, history: WorldSizeHistory, failures: list[Any]) -> str:
+class ElasticMonitor:
+    """The driver's view of an elastic run's generations and losses.
+
+    - :meth:`world_size`: rank 0 of a new worker group says its size (checked against the range).
+    - :meth:`lost`: Spark lost executors. The history notes them, the survivors are told to restart
+      now, and a deadline starts: when no group forms again within ``rendezvous_timeout`` plus
+      ``join_window`` and a margin for Spark to place retried tasks (every node was lost, or those
+      left cannot run), the run is cancelled instead of waiting for executors forever.
+    """
+
+    #: Seconds beyond the rendezvous's own timeout for Spark to start a retried task.
+    MARGIN_S = 30.0
+
+    def __init__(
+        self, spec: JobSpec, store: RendezvousStore, cancel: Callable[[], None], say: Callable[[str], None]
+    ) -> None:
+        self._spec = spec
+        self._store = store
+        self._cancel = cancel
+        self.history = WorldSizeHistory(say=say)
+        self._noted: set[str] = set()
+        self._regrouped = threading.Event()
+        #: Set when the deadline after a loss passed without a new worker group.
+        self.gave_up = False
+
+    def world_size(self, size: int) -> int:
+        spec = self._spec
+        if not spec.min_processes <= size <= spec.max_processes or size % spec.nproc_per_node:
+            raise ProtocolError(
+                f"a worker group of {size} ranks is outside num_processes={spec.num_processes!r} "
+                f"(nproc_per_node={spec.nproc_per_node})"
+            )
+        self._regrouped.set()
+        return self.history.generation(size)
+
+    def lost(self, executors: dict[str, str]) -> None:
+        new = [(address, host) for address, host in list(executors.items()) if address not in self._noted]
+        if not new:
+            return
+        for address, host in new:
+            self._noted.add(address)
+            self.history.node_lost(host)
+        # Survivors may block in a collective with the lost ranks: restart those that started
+        # before the loss (Spark noticed it a moment after it happened).
+        self._store.restart_survivors(lost_at=time.time() - 1.0)
+        self._regrouped.clear()
+        deadline = self._spec.rendezvous_timeout + self._spec.join_window + self.MARGIN_S
+        threading.Thread(target=self._deadline, args=(deadline,), daemon=True).start()
+
+    def _deadline(self, seconds: float) -> None:
+        if not self._regrouped.wait(seconds):
+            self.gave_up = True
+            self._cancel()
+
+
+def _elastic_loss_error(
+    spec: JobSpec, history: WorldSizeHistory, failures: list[Any], *, nobody_left: bool = False
+) -> str:
     """Why an elastic run that lost nodes could not go on: below MIN, or out of restarts."""
-    if any(f.exc_type == "RendezvousTimeout" for f in failures):
+    if nobody_left:
+        why = (
+            f"no worker group formed again within rendezvous_timeout={spec.rendezvous_timeout}s (+ "
+            f"join_window and {ElasticMonitor.MARGIN_S:.0f}s): no node was left, or Spark could not "
+            f"place MIN={spec.min_processes} ranks' tasks"
+        )
+    elif any(f.exc_type == "RendezvousTimeout" for f in failures):
         why = (
             f"fewer than MIN={spec.min_processes} ranks remained and no replacement joined within "
             f"rendezvous_timeout={spec.rendezvous_timeout}s"

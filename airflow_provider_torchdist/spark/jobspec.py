@@ -20,6 +20,8 @@ from airflow_provider_torchdist.spec import TrainingSpec
 SPEC_FILE = "spec.json"
 PAYLOAD_FILE = "payload.pkl"
 OUTPUT_FILE = "output.pkl"
+#: A callable ``train_data``, pickled: read by the driver from its staging directory, never shipped.
+DATA_FILE = "train_data.pkl"
 #: The owner token the hook writes for the driver alone (0600); never in the spec, which executors get.
 OWNER_TOKEN_FILE = "owner.token"
 #: Where the driver's run channel listens, ``{"host", "port"}``, written by the driver for the hook.
@@ -47,6 +49,8 @@ class JobSpec(TrainingSpec):
     token: str
     #: Command-line arguments of a script or module.
     script_args: list[str] = field(default_factory=list)
+    #: ``DATA_FILE`` when ``train_data`` is a callable (``train_data`` is then None here).
+    data_file: str | None = None
 
     @classmethod
     def for_run(cls, training: TrainingSpec, **identity: object) -> JobSpec:

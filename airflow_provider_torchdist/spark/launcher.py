@@ -27,6 +27,8 @@ from airflow_provider_torchdist.spark.network import interface_for_address
 from airflow_provider_torchdist.spark.outcome import RankFailure
 from airflow_provider_torchdist.spark.rank import rank_thread_count, run_rank
 from airflow_provider_torchdist.spark.rendezvous import register as register_rendezvous
+from airflow_provider_torchdist.spark.signed_rendezvous import register as register_signed_rendezvous
+from airflow_provider_torchdist.spark.signed_rendezvous import use_key
 
 LOOPBACK = "127.0.0.1"
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -45,7 +47,8 @@ KEEP_ALIVE_MAX_ATTEMPTS = 3
 def elastic_launch_config(
     spec: JobSpec, *, store: tuple[str, int], host: str, common: dict[str, Any]
 ) -> LaunchConfig:
-    """torchrun ``--nnodes=MIN:MAX`` with the ``c10d`` rendezvous on the store the driver hosts.
+    """torchrun ``--nnodes=MIN:MAX`` with the ``c10d`` rendezvous (its state signed:
+    :mod:`.signed_rendezvous`) on the store the driver hosts.
 
     No agent hosts the store (``is_host=False``): the node that would host it may be the one lost.
     ``join_window`` is torchrun's last call: once MIN nodes have joined, how long the rendezvous
@@ -66,7 +69,7 @@ def elastic_launch_config(
             "timeout": spec.rendezvous_timeout,
         },
         local_addr=host,
-        **{**common, "rdzv_backend": "c10d"},
+        **{**common, "rdzv_backend": register_signed_rendezvous()},
     )
 
 
@@ -181,6 +184,14 @@ def rendezvous_failure(
     spec: JobSpec, exc: Exception, host: str, master: tuple[str, int] | None
 ) -> RankFailure:
     """A rendezvous that did not complete in time, said in the terms the user can act on."""
+    if spec.elastic and isinstance(exc, DistStoreError) and master is not None:
+        return RankFailure(
+            rank=None,
+            host=host,
+            exc_type="RendezvousStoreUnreachable",
+            message=f"this node could not reach the driver's rendezvous store at {master[0]}:{master[1]} "
+            f"({exc}): a firewall between the executors and the driver's ports, or the driver is gone.",
+        )
     if spec.elastic:
         return RankFailure(
             rank=None,
@@ -223,6 +234,8 @@ def launch_node(
     ``store`` the driver's rendezvous store in an elastic run (``master`` is then None).
     """
     emit("agent_start", node=node_rank)
+    if store is not None:
+        use_key(spec.run_id, spec.token)  # the elastic rendezvous signs its state with the run's key
     nproc = spec.nproc_per_node if master is not None or store is not None else spec.num_processes
     os.environ.update(rank_environment(spec, host, nproc, task_cpus))
     # The PID in the name lets a later run's supervisor sweep the directory once this process is
@@ -248,7 +261,7 @@ def launch_node(
         emit("rendezvous_closed", node=node_rank)
         return []
     except (DistStoreError, RendezvousTimeoutError) as exc:
-        return [rendezvous_failure(spec, exc, host, master)]
+        return [rendezvous_failure(spec, exc, host, master or store)]
     except SignalException as exc:  # the agent itself was told to stop; it stopped its ranks first
         why = (
             "Spark ended this task (its executor went away, or the stage was cancelled)"

@@ -33,14 +33,22 @@ class WorldSizeHistory:
         #: Every loss the driver saw: ``(epoch seconds, host)``.
         self.losses: list[tuple[float, str]] = []
         self._pending: list[str] = []
+        #: The entry of a decrease recorded before any loss explained it.
+        self._unexplained: int | None = None
         self._generations = 0
 
     def node_lost(self, host: str, at: float | None = None) -> None:
-        """Spark lost the executor on ``host``: the next generation's reason, and the log says so now."""
+        """Spark lost the executor on ``host``: the reason of the next decrease, or of the one just
+        recorded without a reason (the survivors may meet again before Spark notices the loss)."""
         at = time.time() if at is None else at
+        reason = f"lost the node on {host}"
         with self._lock:
             self.losses.append((at, host))
-            self._pending.append(f"lost the node on {host}")
+            if self._unexplained is not None:
+                self.entries[self._unexplained]["reason"] = reason
+                self._unexplained = None
+            else:
+                self._pending.append(reason)
         self._say(
             f"elastic: Spark lost the executor on {host} at {_clock(at)}; the surviving ranks restart "
             "from the latest checkpoint and meet again without it"
@@ -53,14 +61,19 @@ class WorldSizeHistory:
             number = self._generations
             self._generations += 1
             before = self.entries[-1]["world_size"] if self.entries else None
+            self._unexplained = None
             if before is None:
                 reason = "start"
-            elif self._pending:
-                reason = "; ".join(self._pending)
             elif world_size > before:
                 reason = "a node joined"
+            elif world_size < before:
+                reason = "; ".join(self._pending) or "a node left"
+                if not self._pending:
+                    self._unexplained = len(self.entries)
             else:
-                reason = "restart after a failure"
+                reason = "; ".join(self._pending) or "restart after a failure"
+            # A loss explains one change at most: a group that grew, or re-formed at the same
+            # size (a replacement joined at once), has taken it in.
             self._pending.clear()
             changed = before != world_size
             if changed:

@@ -263,3 +263,77 @@ def elastic():
 
 
 elastic()
+
+
+def rows_of_this_rank() -> dict:
+    """Every rank's ids through ``rank_batches`` (tensors), gathered on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    from airflow_provider_torchdist import rank_batches
+
+    dist.init_process_group("gloo")
+    ids = torch.cat([b["id"] for b in rank_batches(64, columns=["id"])]).tolist()
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, ids)
+    return {"world_size": dist.get_world_size(), "shards": shards}
+
+
+@dag(dag_id="torchdist_e2e_train_data", schedule=None, start_date=START, catchup=False)
+def train_data_pipeline():
+    """A first task writes a Parquet data set; the ranks train on a query over it, in local mode and
+    across 2 Spark tasks of 2 ranks each; a last task checks the shards."""
+
+    @task
+    def make_data(run_id=None) -> str:
+        import tempfile
+
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = Path(tempfile.mkdtemp(prefix="torchdist-e2e-data-"))
+        for part in range(3):  # three files of different sizes
+            ids = list(range(part * 400, part * 400 + 300 + 50 * part))
+            pq.write_table(pa.table({"id": ids, "x": [i * 0.5 for i in ids]}), path / f"part-{part}.parquet")
+        return str(path)
+
+    query = "SELECT id, x FROM parquet.`{{ ti.xcom_pull(task_ids='make_data') }}` WHERE id % 7 != 0"
+    local = TorchDistributorOperator(
+        task_id="train_local",
+        train_object=rows_of_this_rank,
+        num_processes=2,
+        local_mode=True,
+        train_data=query,
+    )
+    distributed = TorchDistributorOperator(
+        task_id="train_distributed",
+        train_object=rows_of_this_rank,
+        num_processes=4,
+        nproc_per_node=2,
+        train_data=query,
+        train_data_shuffle_seed=3,
+    )
+
+    @task
+    def check(path: str, local_value, distributed_value) -> dict:
+        import pyarrow.parquet as pq
+
+        expected = sorted(i for i in pq.read_table(path).column("id").to_pylist() if i % 7)
+        summary = {}
+        for name, value in (("local", local_value), ("distributed", distributed_value)):
+            shards = load_output(value)["shards"]
+            every = sorted(i for shard in shards for i in shard)
+            summary[name] = {
+                "sizes": [len(s) for s in shards],
+                "no_duplicates": len(every) == len(set(every)),
+                "dropped_at_most_world_minus_1": set(every) <= set(expected)
+                and len(expected) - len(every) < len(shards),
+            }
+        return summary
+
+    data = make_data()
+    data >> [local, distributed]
+    check(data, local.output, distributed.output)
+
+
+train_data_pipeline()

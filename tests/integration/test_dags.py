@@ -27,6 +27,7 @@ DAG_IDS = [
     "torchdist_e2e_log_ranks",
     "torchdist_e2e_log_ranks_failure",
     "torchdist_e2e_elastic",
+    "torchdist_e2e_train_data",
 ]
 
 
@@ -170,3 +171,16 @@ def test_an_elastic_range_trains_and_its_world_sizes_reach_xcom(dag_runs: tuple[
     run_id = states[dag_id]["run_id"]
     assert xcom(db, dag_id, run_id, "sizes") == [[2, "start"]]  # the templated "1:2" took both nodes
     assert "elastic: training starts with world size 2" in output
+
+
+def test_a_parquet_query_is_dealt_to_the_ranks_in_both_modes(dag_runs: tuple[dict, Path, str]) -> None:
+    """Every row of the query reaches exactly one rank, the shards are equal, in local mode (2 ranks
+    on the driver) and across 2 Spark tasks of 2 ranks each (nproc_per_node=2)."""
+    states, db, output = dag_runs
+    dag_id = "torchdist_e2e_train_data"
+    assert states[dag_id]["state"] == "success", output[-5000:]
+    # 1050 ids, those divisible by 7 filtered out: 900 rows; 2 ranks: 450 each; 4 ranks: 225 each.
+    assert xcom(db, dag_id, states[dag_id]["run_id"], "check") == {
+        "local": {"sizes": [450, 450], "no_duplicates": True, "dropped_at_most_world_minus_1": True},
+        "distributed": {"sizes": [225] * 4, "no_duplicates": True, "dropped_at_most_world_minus_1": True},
+    }

@@ -245,6 +245,26 @@ PARSE_TIME = [
         id="num_processes-range-local_mode",
     ),
     pytest.param(
+        {"train_data": 42},
+        r"train_data must be a Spark SQL query .* a table name .* or a callable fn\(spark\) -> DataFrame, got int: 42",
+        id="train_data-not-a-query",
+    ),
+    pytest.param(
+        {"train_data": "  "},
+        r"train_data must be a Spark SQL query",
+        id="train_data-empty",
+    ),
+    pytest.param(
+        {"train_data": "db.t", "num_processes": "2:4"},
+        r"train_data with an elastic num_processes='2:4' is not supported yet",
+        id="train_data-elastic",
+    ),
+    pytest.param(
+        {"train_data_shuffle_seed": -1},
+        r"train_data_shuffle_seed must be an integer >= 0, got -1",
+        id="train_data_shuffle_seed-negative",
+    ),
+    pytest.param(
         {"join_window": "ten"},
         r"join_window must be an integer >= 1, got 'ten'",
         id="join_window-not-an-integer",

@@ -10,11 +10,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import timedelta
 
 import pytest
+from torch.distributed import TCPStore
 
 from airflow_provider_torchdist.spark.channel import ChannelClient, RunChannel
-from airflow_provider_torchdist.spark.elastic import RendezvousStore
+from airflow_provider_torchdist.spark.elastic import RESTART_KEY, RendezvousStore
 from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE, JobSpec
 from airflow_provider_torchdist.spark.launcher import KEEP_ALIVE_MAX_ATTEMPTS, launch_config, rank_environment
 from airflow_provider_torchdist.spark.protocol import ProtocolError, WorldSize, decode, encode
@@ -163,7 +165,7 @@ def test_an_elastic_node_is_torchruns_min_max_with_c10d_on_the_drivers_store(tmp
         spec, node_rank=1, master=None, host="10.0.0.3", log_dir=str(tmp_path), store=("10.0.0.1", 4321)
     )
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (1, 3, 2)
-    assert config.rdzv_backend == "c10d"
+    assert config.rdzv_backend == "torchdist-c10d"  # torch's c10d, its state signed
     assert config.rdzv_endpoint == "10.0.0.1:4321"
     assert config.rdzv_configs["is_host"] is False  # the driver hosts it: no node may be needed for it
     assert config.rdzv_configs["last_call_timeout"] == 7  # join_window
@@ -188,7 +190,7 @@ AGENT = textwrap.dedent(
     import os, subprocess, sys, time
     from airflow_provider_torchdist.spark.elastic import RestartWatch
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    with RestartWatch(("127.0.0.1", int(sys.argv[1])), 30) as watch:
+    with RestartWatch(("127.0.0.1", int(sys.argv[1])), 30, "the-run-secret") as watch:
         print(worker.pid, flush=True)
         code = worker.wait()
         print(code, watch.restarts, flush=True)
@@ -200,7 +202,7 @@ AGENT = textwrap.dedent(
 
 
 def test_a_bump_of_the_drivers_counter_stops_the_workers_the_agent_had(tmp_path) -> None:
-    store = RendezvousStore("127.0.0.1", timeout=30)
+    store = RendezvousStore("127.0.0.1", timeout=30, token=TOKEN)
     agent = subprocess.Popen(
         [sys.executable, "-c", AGENT, str(store.address[1])],
         stdout=subprocess.PIPE,
@@ -210,8 +212,13 @@ def test_a_bump_of_the_drivers_counter_stops_the_workers_the_agent_had(tmp_path)
     try:
         assert agent.stdout is not None
         worker = int(agent.stdout.readline())
+        # A stranger who reaches the store writes a request of its own: ignored (not signed).
+        stranger = TCPStore("127.0.0.1", store.address[1], is_master=False, timeout=timedelta(seconds=5))
+        stranger.set(RESTART_KEY, json.dumps({"n": 99, "before": time.time() + 60}))
+        time.sleep(1.0)
+        assert _alive(worker)
         started = time.monotonic()
-        assert store.restart_survivors() == 1
+        assert store.restart_survivors(lost_at=time.time()) == 1
         assert agent.stdout.readline().split() == ["-9", "1"]  # SIGKILLed, one restart
         assert time.monotonic() - started < 5
         assert agent.stdout.readline().split() == ["0", "1"]
@@ -226,10 +233,122 @@ def test_a_bump_of_the_drivers_counter_stops_the_workers_the_agent_had(tmp_path)
 def test_the_drivers_store_listens_only_on_its_address() -> None:
     import psutil
 
-    store = RendezvousStore("127.0.0.1", timeout=5)
+    store = RendezvousStore("127.0.0.1", timeout=5, token=TOKEN)
     listening = {
         c.laddr
         for c in psutil.Process().net_connections(kind="tcp")
         if c.status == psutil.CONN_LISTEN and c.laddr.port == store.address[1]
     }
     assert {a.ip for a in listening} == {"127.0.0.1"}
+
+
+def test_a_loss_noticed_after_the_smaller_group_formed_still_explains_it() -> None:
+    history = WorldSizeHistory()
+    history.generation(4)
+    history.generation(2)  # the survivors met again before Spark reported the loss
+    history.node_lost("10.0.0.12")
+    history.generation(4)  # and the node came back
+    assert [(e["world_size"], e["reason"]) for e in history.entries] == [
+        (4, "start"),
+        (2, "lost the node on 10.0.0.12"),
+        (4, "a node joined"),
+    ]
+
+
+def test_a_loss_taken_in_by_a_same_size_group_does_not_label_a_later_change() -> None:
+    history = WorldSizeHistory()
+    history.generation(2)
+    history.node_lost("a")
+    history.generation(2)  # a replacement joined at once
+    history.generation(1)  # later, a node left for another reason
+    assert [(e["world_size"], e["reason"]) for e in history.entries] == [(2, "start"), (1, "a node left")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_a_planted_rendezvous_state_is_refused_before_torch_unpickles_it(tmp_path) -> None:
+    """A stranger who reaches the driver's store writes a pickle as the rendezvous state: the
+    agents' backend refuses it for its tag, and nothing of it is unpickled."""
+    import base64
+    import pickle
+
+    from torch.distributed.elastic.rendezvous import RendezvousStateError
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    from airflow_provider_torchdist.spark.signed_rendezvous import SignedBackend, run_key
+
+    marker = tmp_path / "unpickled"
+
+    class Planted:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    store = RendezvousStore("127.0.0.1", timeout=5, token=TOKEN)
+    client = TCPStore("127.0.0.1", store.address[1], is_master=False, timeout=timedelta(seconds=5))
+    backend = SignedBackend(C10dRendezvousBackend(client, "run-1"), run_key(TOKEN, "rendezvous"))
+    assert backend.get_state() is None  # nothing yet
+    state, token, written = backend.set_state(b"the agents' state")
+    assert (state, written) == (b"the agents' state", True)
+    assert backend.get_state()[0] == b"the agents' state"
+
+    stranger = TCPStore("127.0.0.1", store.address[1], is_master=False, timeout=timedelta(seconds=5))
+    stranger.set("torch.rendezvous.run-1", base64.b64encode(pickle.dumps(Planted())))
+    with pytest.raises(RendezvousStateError, match="not signed with this run's key"):
+        backend.get_state()
+    # Signed with another run's key: refused too.
+    other = SignedBackend(C10dRendezvousBackend(client, "run-2"), run_key("another token", "rendezvous"))
+    other.set_state(b"x")
+    with pytest.raises(RendezvousStateError):
+        SignedBackend(C10dRendezvousBackend(client, "run-2"), run_key(TOKEN, "rendezvous")).get_state()
+    assert not marker.exists()
+
+
+def test_a_world_size_outside_the_range_is_refused() -> None:
+    from airflow_provider_torchdist.spark.elastic_run import ElasticMonitor
+
+    monitor = ElasticMonitor(
+        _spec(num_processes="2:4", nproc_per_node=2), None, lambda: None, say=lambda _: None
+    )
+    assert monitor.world_size(2) == 0
+    assert monitor.world_size(4) == 1
+    for bad in (1, 3, 6, 1 << 20):
+        with pytest.raises(ProtocolError, match="outside num_processes"):
+            monitor.world_size(bad)
+    assert [e["world_size"] for e in monitor.history.entries] == [2, 4]
+
+
+def test_when_no_group_forms_again_after_a_loss_the_run_is_cancelled(monkeypatch) -> None:
+    from airflow_provider_torchdist.spark.elastic_run import ElasticMonitor
+
+    class Store:
+        requests: list[float] = []
+
+        def restart_survivors(self, lost_at: float) -> int:
+            self.requests.append(lost_at)
+            return len(self.requests)
+
+    cancelled = []
+    monkeypatch.setattr(ElasticMonitor, "MARGIN_S", 0.0)
+    spec = _spec(num_processes="1:2", rendezvous_timeout=1, join_window=1)
+    monitor = ElasticMonitor(spec, Store(), lambda: cancelled.append(1), say=lambda _: None)
+    monitor.world_size(2)
+    monitor.lost({"10.0.0.2:4040": "10.0.0.2"})
+    monitor.lost({"10.0.0.2:4040": "10.0.0.2"})  # the same loss again: nothing more
+    assert len(Store.requests) == 1
+    wait_until(lambda: cancelled, timeout=10, what="the cancel")
+    assert monitor.gave_up
+
+    # A group that forms again in time keeps the run going.
+    cancelled.clear()
+    monitor = ElasticMonitor(spec, Store(), lambda: cancelled.append(1), say=lambda _: None)
+    monitor.world_size(2)
+    monitor.lost({"10.0.0.3:4040": "10.0.0.3"})
+    monitor.world_size(1)
+    time.sleep(3.0)
+    assert not cancelled and not monitor.gave_up

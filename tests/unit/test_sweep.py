@@ -86,6 +86,16 @@ def test_agent_dirs_go_when_their_process_is_dead(tmp_path, dead_pid):
     assert live.is_dir() and legacy.is_dir()
 
 
+def test_a_nodes_data_dirs_go_when_their_process_is_dead(tmp_path, dead_pid):
+    dead = tmp_path / f"torchdist-data-{dead_pid}-abc"
+    live = tmp_path / f"torchdist-data-{os.getpid()}-abc"
+    for path in (dead, live):
+        path.mkdir()
+        (path / "rank-0.arrow").write_bytes(b"x")
+    assert sweep_stale(tmp_path) == [dead]
+    assert live.is_dir()
+
+
 def test_symlinks_files_and_other_names_are_left_alone(tmp_path, dead_pid):
     target = staging(tmp_path, "elsewhere", addr_pid=dead_pid)
     (tmp_path / "torchdist-link").symlink_to(target)

@@ -1,0 +1,252 @@
+"""Spark data into training: ``train_data=`` against PySpark's private path and doing it yourself.
+
+Usage: ``python bench/data_path.py [--rounds 3] [--quick] [--gb 2] [--variants ours,a,b]
+[--data-dir DIR] [--no-save]``
+
+A data set of numeric columns (``id`` bigint, 16 float features, an int ``label``: 76 bytes a row
+as Arrow) of ``--gb`` GB as Arrow, generated once with Spark as Parquet (``--data-dir`` keeps it
+for the next run). Every variant reads it with the same query, ``SELECT * FROM parquet.`DIR```,
+on the embedded ``local[2]`` master, 2 ranks, and every rank iterates all its rows as tensors in
+batches of 65,536, summing each tensor (``bench/workloads/data_rank.py``):
+
+- **ours**: ``TorchDistributorHook(num_processes=2, train_data=query).run(fn)``, ``fn`` iterating
+  ``rank_batches``; timed from the ``hook.run`` call to its return.
+- **a**: PySpark's ``TorchDistributor(num_processes=2, local_mode=False)._train_on_dataframe`` with
+  ``_get_spark_partition_data_loader`` (the query repartitioned to 2, as that path requires), in a
+  spark-submit'ed ``local[2]`` application; timed from the spark-submit fork to
+  ``_train_on_dataframe``'s return.
+- **b**: do it yourself: spark-submit writes the query's result as Parquet, then ``hook.run(fn)``
+  with rank r reading the sorted files ``files[r::2]`` with pyarrow; timed from the spark-submit
+  fork to ``hook.run``'s return.
+
+Interleaved rounds after an uncounted warm-up round. Goals: ours >= 2x (a) and >= 1.0x (b) in
+throughput; a delivered shard iterated at >= 1 GB/s by the rank; peak ``RssAnon`` per rank
+<= 1.5 GB. Results go to the ``data_path`` section of ``bench/results/latest.json`` unless
+``--no-save`` (for trying a variant or a small ``--gb``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import (
+    PYTHON,
+    WORKLOADS,
+    bench_env,
+    log,
+    machine_info,
+    median,
+    run_timed,
+    spark_submit_cmd,
+    update_results,
+)
+
+BATCH_SIZE = 65536
+NUM_PROCESSES = 2
+ROW_BYTES = 8 + 16 * 4 + 4  # id bigint, 16 float features, int label: as Arrow, no nulls
+VARIANTS = {
+    "ours": "`train_data=` + `rank_batches`",
+    "a": "(a) PySpark `_train_on_dataframe` + `_get_spark_partition_data_loader`",
+    "b": "(b) Spark writes Parquet, ranks read their files with pyarrow",
+}
+RATIO_GOALS = {"a": 2.0, "b": 1.0}  # ours' throughput over the variant's, at least
+ITER_GOAL_GB_S = 1.0
+RSS_GOAL_MB = 1.5 * 1024
+
+
+def dataset(directory: Path, gb: float, env: dict[str, str]) -> dict[str, Any]:
+    """The Parquet data set in ``directory``: reused when it has the rows asked for, else generated."""
+    rows = int(gb * 1e9 / ROW_BYTES) // NUM_PROCESSES * NUM_PROCESSES
+    meta_file = directory / "dataset.json"
+    parquet = directory / "parquet"
+    if meta_file.exists():
+        meta = json.loads(meta_file.read_text())
+        if meta["rows"] == rows and (parquet / "_SUCCESS").exists():
+            log(f"reusing the data set in {parquet}: {rows:,} rows")
+            return meta
+    shutil.rmtree(parquet, ignore_errors=True)
+    log(f"generating {rows:,} rows ({rows * ROW_BYTES / 1e9:.2f} GB as Arrow) as Parquet in {parquet}")
+    cmd = spark_submit_cmd(WORKLOADS / "data_spark.py", "generate", str(parquet), str(rows))
+    sample = run_timed(cmd, env, timeout=3600)
+    if sample.rc != 0 or not sample.result:
+        raise RuntimeError(f"generating the data set failed:\n{sample.tail}")
+    files = sorted(parquet.glob("*.parquet"))
+    meta = {
+        "rows": rows,
+        "columns": sample.result["columns"],
+        "row_bytes": ROW_BYTES,
+        "arrow_bytes": rows * ROW_BYTES,
+        "parquet_bytes": sum(f.stat().st_size for f in files),
+        "parquet_files": len(files),
+        "generate_s": round(sample.wall_s, 1),
+    }
+    meta_file.write_text(json.dumps(meta))
+    return meta
+
+
+def run_variant(
+    name: str, query: str, rows: int, scratch: Path, env: dict[str, str]
+) -> dict[str, Any] | None:
+    """One sample of one variant; None when it failed (logged)."""
+    if name == "ours":
+        cmd = [PYTHON, str(WORKLOADS / "data_hook.py"), "ours", query, str(BATCH_SIZE)]
+    elif name == "b":
+        out = scratch / "diy-parquet"
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [PYTHON, str(WORKLOADS / "data_hook.py"), "diy", query, str(BATCH_SIZE), str(out)]
+    else:
+        cmd = spark_submit_cmd(
+            WORKLOADS / "data_pyspark_td.py",
+            query,
+            str(rows // NUM_PROCESSES),
+            str(BATCH_SIZE),
+        )
+    t_fork = time.time()
+    sample = run_timed(cmd, env, timeout=3600)
+    if name == "b":
+        shutil.rmtree(scratch / "diy-parquet", ignore_errors=True)
+    result = sample.result
+    if sample.rc != 0 or not result:
+        log(f"{name} FAILED (rc {sample.rc}):\n{sample.tail}")
+        return None
+    start = result.get("t_start", t_fork)  # ours: the hook.run call; a: the fork; b: its spark-submit's fork
+    ranks = result["ranks"]
+    return {
+        "to_iterated_s": round(result["t_done"] - start, 3),
+        "process_wall_s": sample.wall_s,
+        "rows": sum(r["rows"] for r in ranks),
+        "ranks": ranks,
+        "write_s": round(result["t_written"] - start, 3) if "t_written" in result else None,
+        "load_before": sample.load_before,
+        "load_after": sample.load_after,
+    }
+
+
+def variant_stats(runs: list[dict[str, Any]], arrow_bytes: int) -> dict[str, Any]:
+    """Medians over the counted rounds; memory as the worst rank of any round."""
+    wall = median([r["to_iterated_s"] for r in runs])
+    if wall is None:
+        return {"n": 0}
+    rows = median([r["rows"] for r in runs])
+    rank_gb_s = [
+        r_["rows"] * ROW_BYTES / r_["iter_s"] / 1e9 for r in runs for r_ in r["ranks"] if r_["iter_s"]
+    ]
+    return {
+        "n": len(runs),
+        "median_s": wall,
+        "min_s": min(r["to_iterated_s"] for r in runs),
+        "max_s": max(r["to_iterated_s"] for r in runs),
+        "rows": rows,
+        "rows_per_s": round(rows / wall),
+        "mb_per_s": round(arrow_bytes / wall / 1e6, 1),
+        "rank_iter_gb_s": median(rank_gb_s),
+        "peak_rss_anon_mb": max(r_["peak_rss_anon_mb"] for r in runs for r_ in r["ranks"]),
+        "write_median_s": median([r["write_s"] for r in runs if r.get("write_s") is not None]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one counted round")
+    parser.add_argument("--gb", type=float, default=2.0, help="data set size as Arrow, GB (default 2)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: ours,a,b")
+    parser.add_argument("--data-dir", type=Path, help="keep the generated data set here, and reuse it")
+    parser.add_argument("--no-save", action="store_true", help="print the section instead of saving it")
+    args = parser.parse_args(argv)
+    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if unknown := [v for v in chosen if v not in VARIANTS]:
+        parser.error(f"unknown variant(s) {unknown}; choose among {list(VARIANTS)}")
+    rounds = 1 if args.quick else args.rounds
+    env = bench_env()
+    scratch = Path(tempfile.mkdtemp(prefix="bench-data-path-"))
+    try:
+        data_dir = args.data_dir or scratch
+        data_dir.mkdir(parents=True, exist_ok=True)
+        meta = dataset(data_dir, args.gb, env)
+        query = f"SELECT * FROM parquet.`{data_dir / 'parquet'}`"
+        samples: dict[str, list[dict[str, Any]]] = {v: [] for v in chosen}
+        for round_no in range(rounds + 1):
+            for name in chosen:
+                run = run_variant(name, query, meta["rows"], scratch, env)
+                if run is None:
+                    continue
+                tag = "warm-up" if round_no == 0 else f"round {round_no}/{rounds}"
+                worst = max(r["peak_rss_anon_mb"] for r in run["ranks"])
+                log(
+                    f"{tag} {name}: {run['to_iterated_s']:.1f} s, {run['rows']:,} rows, "
+                    f"peak RssAnon {worst:.0f} MB, rank iteration "
+                    + ", ".join(f"{r['iter_s']:.2f} s" for r in run["ranks"])
+                )
+                if round_no:
+                    samples[name].append(run)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    stats = {name: variant_stats(runs, meta["arrow_bytes"]) for name, runs in samples.items()}
+    ratios = []
+    ours = stats.get("ours", {})
+    for name, goal in RATIO_GOALS.items():
+        other = stats.get(name, {})
+        ratio = round(other["median_s"] / ours["median_s"], 2) if ours.get("n") and other.get("n") else None
+        ratios.append(
+            {
+                "numerator": "ours",
+                "denominator": name,
+                "ratio": ratio,
+                "goal": goal,
+                "met": None if ratio is None else ratio >= goal,
+            }
+        )
+    goals = {
+        "rank_iter_gb_s": {
+            "goal": ITER_GOAL_GB_S,
+            "value": ours.get("rank_iter_gb_s"),
+            "met": None if not ours.get("n") else ours["rank_iter_gb_s"] >= ITER_GOAL_GB_S,
+        },
+        "peak_rss_anon_mb": {
+            "goal": RSS_GOAL_MB,
+            "value": ours.get("peak_rss_anon_mb"),
+            "met": None if not ours.get("n") else ours["peak_rss_anon_mb"] <= RSS_GOAL_MB,
+        },
+    }
+    for name, st in stats.items():
+        if st.get("n"):
+            log(
+                f"{name}: median {st['median_s']} s, {st['rows_per_s']:,} rows/s, {st['mb_per_s']} MB/s, "
+                f"rank iteration {st['rank_iter_gb_s']} GB/s, peak RssAnon {st['peak_rss_anon_mb']} MB"
+            )
+    for r in ratios:
+        log(f"throughput ours/{r['denominator']}: {r['ratio']} (goal >= {r['goal']})")
+    section = {
+        "machine": machine_info(),
+        "rounds": rounds,
+        "batch_size": BATCH_SIZE,
+        "num_processes": NUM_PROCESSES,
+        "dataset": meta,
+        "variants": {v: VARIANTS[v] for v in chosen},
+        "stats": stats,
+        "ratios": ratios,
+        "goals": goals,
+        "samples": samples,
+    }
+    if args.no_save:
+        print(json.dumps({k: v for k, v in section.items() if k not in ("machine", "samples")}, indent=2))
+        return 0
+    update_results("data_path", section)
+    from report import render_docs
+
+    render_docs()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""train_data on the embedded master: bad data fails before any rank starts, a node that cannot
+write its shard fails the run naming it, and a script reads its shard as a callable does.
+
+The DAG-level test (``test_dags.py``, ``torchdist_e2e_train_data``) shows the shards themselves in
+both modes; ``test_multihost.py`` shows them across two hosts with a driver smaller than the data.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from airflow_provider_torchdist import TorchDistributorHook
+from airflow_provider_torchdist.errors import TrainingFailed
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def parquet_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("train_data")
+    ids = list(range(1000))
+    pq.write_table(pa.table({"id": ids, "x": [float(i) for i in ids]}), path / "part-0.parquet")
+    return path
+
+
+def must_not_run() -> None:
+    """A training function that records that it ran (it must not, when the data is bad)."""
+    Path(os.environ["RAN_MARKER"]).write_text("ran")
+
+
+def not_a_dataframe(spark):
+    return [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "train_data, message",
+    [
+        ("db.missing", r"train_data failed before training: .*TABLE_OR_VIEW_NOT_FOUND"),
+        ("SELECT nope FROM parquet.`{path}`", r"train_data failed before training: .*UNRESOLVED_COLUMN"),
+        ("SELECT make_interval(1, 2) AS i", r"train_data failed before training: .*[Ii]nterval"),
+        (not_a_dataframe, r"train_data's callable returned list, not a pyspark DataFrame"),
+    ],
+    ids=["missing-table", "bad-query", "interval-column", "callable-not-a-dataframe"],
+)
+def test_bad_train_data_fails_before_any_rank_starts(
+    train_data, message: str, parquet_dir: Path, tmp_path: Path, no_leftovers: None
+) -> None:
+    marker = tmp_path / "ran"
+    if isinstance(train_data, str):
+        train_data = train_data.format(path=parquet_dir)
+    hook = TorchDistributorHook(num_processes=2, train_data=train_data, rank_env={"RAN_MARKER": str(marker)})
+    with pytest.raises(TrainingFailed, match=message):
+        hook.run(must_not_run)
+    assert not marker.exists()
+
+
+@pytest.fixture
+def small_tmp(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs: the temp directory of the executors' Python workers in the next test."""
+    if os.geteuid() != 0:
+        pytest.fail("the full-disk test needs root to mount a tmpfs (CI runs as root)")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_node_that_cannot_write_its_shard_fails_the_run_naming_it(
+    tmp_path: Path, small_tmp: Path, no_leftovers: None
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    ids = list(range(200_000))  # about 3 MB as Arrow: more than the executors' 256 KiB temp directory
+    pq.write_table(pa.table({"id": ids, "x": [float(i) for i in ids]}), data / "part-0.parquet")
+    marker = tmp_path / "ran"
+    hook = TorchDistributorHook(
+        num_processes=2,
+        train_data=f"SELECT * FROM parquet.`{data}`",
+        env_vars={"TMPDIR": str(small_tmp)},  # spark-submit's, and so its executors' Python workers'
+        rank_env={"RAN_MARKER": str(marker)},
+    )
+    with pytest.raises(TrainingFailed) as raised:
+        hook.run(must_not_run)
+    message = str(raised.value)
+    assert "a torchrun agent on" in message  # the node, by its host
+    assert "cannot write this node's train_data shard into" in message
+    assert "No space left on device" in message
+    assert not marker.exists()
+    assert list(small_tmp.iterdir()) == []  # the partial shards are gone
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch.distributed as dist
+    from airflow_provider_torchdist import rank_shard
+
+    dist.init_process_group("gloo")
+    shard = rank_shard()
+    out = os.path.join(sys.argv[1], f"rank-{dist.get_rank()}.json")
+    with open(out, "w") as f:
+        json.dump(shard.column("id").to_pylist(), f)
+    """
+)
+
+
+def test_a_script_reads_its_shard_with_rank_shard(parquet_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    script = tmp_path / "read_shard.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    hook = TorchDistributorHook(num_processes=2, train_data=f"SELECT id FROM parquet.`{parquet_dir}`")
+    hook.run(str(script), str(out))
+    shards = [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [len(s) for s in shards] == [500, 500]
+    assert sorted(shards[0] + shards[1]) == list(range(1000))
