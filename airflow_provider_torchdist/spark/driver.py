@@ -184,13 +184,13 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
 
 
 def data_stage(
-    shards: tuple[Any, Any], spec: JobSpec, channel_address: tuple[str, int], staging: str
+    shards: tuple[Any, Any, tuple[int, ...]], spec: JobSpec, channel_address: tuple[str, int], staging: str
 ) -> list[str]:
     """The barrier stage of a run with ``train_data``: one task per node over its rows."""
     from airflow_provider_torchdist.spark.data_shards import data_barrier_task
 
-    nodes, schema = shards
-    task = functools.partial(data_barrier_task, spec, channel_address, staging, schema)
+    nodes, schema, sizes = shards
+    task = functools.partial(data_barrier_task, spec, channel_address, staging, schema, sizes)
     return [row["result"] for row in nodes.mapInArrow(task, "result string", barrier=True).collect()]
 
 

@@ -200,3 +200,70 @@ def test_three_concurrent_runs_each_get_their_own_result(
         assert isinstance(result, dict), f"{name}: {result!r}"
         assert result["value"] == name and result["seen"] == [name, name]
     assert len({r["run_id"] for r in results.values()}) == 3
+
+
+def count_my_rows() -> list[dict]:
+    """Every rank's shard through ``rank_batches``: how many ids, their sum, whether unique; and
+    where the rank ran and how much anonymous memory it held."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from airflow_provider_torchdist import rank_batches
+    from airflow_provider_torchdist.spark.network import interface_address
+
+    dist.init_process_group("gloo")
+    ids = np.concatenate([b["id"].numpy() for b in rank_batches(1 << 20, columns=["id"])])
+    features = sum(float(b["f0"].sum()) for b in rank_batches(1 << 20, columns=["f0"]))
+    rss_anon = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+    me = {
+        "address": interface_address(os.environ["GLOO_SOCKET_IFNAME"]),
+        "rows": int(ids.size),
+        "id_sum": int(ids.sum()),
+        "unique": int(np.unique(ids).size),
+        "f0_sum": features,
+        "rss_anon_kb": rss_anon,
+    }
+    everyone: list[dict] = [{}] * dist.get_world_size()
+    dist.all_gather_object(everyone, me)
+    return everyone
+
+
+def test_train_data_reaches_ranks_on_two_hosts_without_passing_through_the_driver(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A Parquet data set of about 600 MB as Arrow, a driver of 512 MB that may collect at most 1 MB:
+    every row reaches exactly one rank, on two hosts, the shards equal."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows, files = 15_000_000, 6
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    per_file = rows // files
+    for i in range(files):
+        ids = np.arange(i * per_file, (i + 1) * per_file, dtype=np.int64)
+        columns = {"id": ids, **{f"f{j}": rng.random(per_file, dtype=np.float32) for j in range(8)}}
+        pq.write_table(pa.table(columns), data / f"part-{i}.parquet", compression="none")
+    arrow_bytes = rows * (8 + 8 * 4)
+    assert arrow_bytes > 512 * 2**20
+
+    hook = cluster_hook(
+        monkeypatch,
+        cluster,
+        num_processes=2,
+        train_data=f"SELECT * FROM parquet.`{data}` WHERE id % 3 != 1",
+        spark_submit_kwargs={"driver_memory": "512m"},
+        conf={"spark.driver.maxResultSize": "1m"},  # a collect of the rows would fail the job
+    )
+    ranks = hook.run(count_my_rows)
+
+    kept = np.arange(rows, dtype=np.int64)
+    kept = kept[kept % 3 != 1]
+    assert sorted(r["address"] for r in ranks) == sorted(cluster.worker_hosts)
+    assert [r["rows"] for r in ranks] == [kept.size // 2] * 2
+    assert all(r["unique"] == r["rows"] for r in ranks)
+    # Together: every kept id once (the total and sum of the ids match, and no id repeats on a rank).
+    assert sum(r["id_sum"] for r in ranks) == int(kept.sum())
+    print("RssAnon per rank (MB):", [round(r["rss_anon_kb"] / 1024) for r in ranks])

@@ -6,14 +6,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from airflow_provider_torchdist.spark.data_shards import (
-    RANK_COL,
-    ShardPlan,
-    ShardWriter,
-    TrainDataError,
-    is_table_name,
-)
 from airflow_provider_torchdist.spark.rank_data import shard_file
+from airflow_provider_torchdist.spark.shard_files import BlobPacker, ShardWriter
+from airflow_provider_torchdist.spark.shard_plan import ShardPlan, TrainDataError, is_table_name
 
 
 def _ranks(plan: ShardPlan) -> np.ndarray:
@@ -86,40 +81,59 @@ def test_a_bare_identifier_is_a_table_anything_else_a_query(text, table) -> None
     assert is_table_name(text) is table
 
 
-def _tagged(ids: list[int], ranks: list[int]) -> pa.RecordBatch:
+def _batch(ids: list[int]) -> pa.RecordBatch:
     return pa.RecordBatch.from_pydict(
-        {
-            "id": pa.array(ids, pa.int64()),
-            "x": pa.array([float(i) for i in ids], pa.float32()),
-            RANK_COL: pa.array(ranks, pa.int32()),
-        }
+        {"id": pa.array(ids, pa.int64()), "x": pa.array([float(i) for i in ids], pa.float32())}
     )
 
 
-def test_a_node_writes_each_of_its_ranks_rows_into_its_file_in_large_batches(tmp_path, monkeypatch) -> None:
-    schema = pa.schema([("id", pa.int64()), ("x", pa.float32())])
+SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float32())])
+
+
+def test_blobs_carry_each_ranks_rows_to_its_file_joined_into_large_batches(tmp_path, monkeypatch) -> None:
+    """What the computing tasks pack (small Spark batches, ranks mixed) is what the node writes."""
+    packer = BlobPacker(blob_bytes=500)
+    blobs = []
+    for start in range(0, 300, 30):
+        for rank in (2, 3):
+            blobs += packer.add(rank, _batch([i for i in range(start, start + 30) if i % 2 == rank % 2]))
+    blobs += packer.add(3, _batch([1000]))
+    blobs += packer.flush()
+    assert 4 < len(blobs) < 60  # several batches per blob
+
     monkeypatch.setattr(ShardWriter, "FLUSH_BYTES", 1000)
-    writer = ShardWriter(tmp_path, range(2, 4), schema)
-    for start in range(0, 300, 30):  # Spark's small batches, both ranks mixed
-        ids = list(range(start, start + 30))
-        writer.write(_tagged(ids, [2 + i % 2 for i in ids]))
-    writer.write(_tagged([1000], [3]))  # a batch of one rank only
+    writer = ShardWriter(tmp_path, range(2, 4), SCHEMA, {2: 150, 3: 151})
+    for rank, blob in blobs:
+        writer.add_ipc(rank, blob)
     writer.close()
+    writer.check_complete()
 
     assert writer.rows == {2: 150, 3: 151}
     for rank, expected in ((2, list(range(0, 300, 2))), (3, [*range(1, 300, 2), 1000])):
         reader = pa.ipc.open_file(pa.memory_map(str(shard_file(tmp_path, rank))))
         table = reader.read_all()
-        assert table.schema == schema  # the helper column is gone
+        assert table.schema == SCHEMA
         assert table.column("id").to_pylist() == expected
         assert reader.num_record_batches < 10  # joined, not one per Spark batch
 
 
-def test_a_row_for_another_nodes_rank_is_refused(tmp_path) -> None:
-    writer = ShardWriter(tmp_path, range(0, 2), pa.schema([("id", pa.int64()), ("x", pa.float32())]))
+def test_a_blob_for_another_nodes_rank_is_refused(tmp_path) -> None:
+    writer = ShardWriter(tmp_path, range(0, 2), SCHEMA)
+    [(rank, blob)] = BlobPacker(1).add(5, _batch([1]))
     with pytest.raises(TrainDataError, match="rank 5 reached a node that holds ranks"):
-        writer.write(_tagged([1], [5]))
+        writer.add_ipc(rank, blob)
     writer.close()
+
+
+def test_a_rank_that_got_other_than_the_planned_rows_fails_as_not_deterministic(tmp_path) -> None:
+    writer = ShardWriter(tmp_path, [0], SCHEMA, {0: 2})
+    for rank, blob in BlobPacker(1).add(0, _batch([1, 2, 3])):
+        writer.add_ipc(rank, blob)
+    writer.close()
+    with pytest.raises(
+        TrainDataError, match="not deterministic: rank\\(s\\) \\[0\\] got \\[3\\] rows, not the 2"
+    ):
+        writer.check_complete()
 
 
 def test_a_rank_with_no_rows_still_gets_a_readable_file(tmp_path) -> None:
