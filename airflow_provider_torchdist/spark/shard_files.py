@@ -102,7 +102,9 @@ class ShardWriter:
                 f"a row for rank {rank} reached a node that holds ranks {sorted(self._writers)}"
             )
         for batch in pa.ipc.open_stream(blob):
-            self._add(rank, batch)
+            # The same columns; Spark's optimizer may know one is never null (a filter on it) where
+            # the query's schema, this file's, says it may be: relabel, no copy.
+            self._add(rank, pa.RecordBatch.from_arrays(batch.columns, schema=self._schema))
 
     def close(self) -> None:
         for rank in self._writers:

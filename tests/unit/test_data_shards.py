@@ -140,3 +140,18 @@ def test_a_rank_with_no_rows_still_gets_a_readable_file(tmp_path) -> None:
     schema = pa.schema([("id", pa.int64())])
     ShardWriter(tmp_path, [0], schema).close()
     assert pa.ipc.open_file(str(shard_file(tmp_path, 0))).read_all().num_rows == 0
+
+
+def test_batches_whose_columns_spark_knows_are_never_null_fit_the_files_schema(tmp_path) -> None:
+    """A filter on a column makes Spark's batches say it is not nullable; the file's schema (the
+    query's) says it may be: the same data, written under the file's schema."""
+    strict = pa.schema([pa.field("id", pa.int64(), nullable=False), ("x", pa.float32())])
+    batch = pa.RecordBatch.from_arrays(
+        [pa.array([1, 2], pa.int64()), pa.array([0.5, 1.5], pa.float32())], schema=strict
+    )
+    writer = ShardWriter(tmp_path, [0], SCHEMA, {0: 2})
+    for rank, blob in BlobPacker(1).add(0, batch):
+        writer.add_ipc(rank, blob)
+    writer.close()
+    writer.check_complete()
+    assert pa.ipc.open_file(str(shard_file(tmp_path, 0))).read_all().schema == SCHEMA
