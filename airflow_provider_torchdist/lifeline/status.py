@@ -21,6 +21,7 @@ from airflow_provider_torchdist.lifeline.messages import (
 )
 from airflow_provider_torchdist.spark.outcome import RankFailure
 from airflow_provider_torchdist.spark.output_store import FORMATS
+from airflow_provider_torchdist.validation import MAX_NUM_PROCESSES
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -62,14 +63,14 @@ WORLD_SIZE_KEYS = frozenset({"time", "world_size", "reason"})
 
 
 def valid_world_size(value: Any) -> bool:
-    """One entry of ``world_sizes``: ``{"time": epoch seconds, "world_size": n >= 1, "reason": str}``
+    """One entry of ``world_sizes``: ``{"time": epoch seconds, "world_size": 1..MAX_NUM_PROCESSES, "reason": str}``
     (the reason at most ``WORLD_SIZE_REASON_CHARS``), nothing else."""
     return (
         isinstance(value, dict)
         and set(value) == WORLD_SIZE_KEYS
         and _is_seconds(value["time"])
         and _is_int(value["world_size"])
-        and value["world_size"] >= 1
+        and 1 <= value["world_size"] <= MAX_NUM_PROCESSES
         and isinstance(value["reason"], str)
         and len(value["reason"]) <= WORLD_SIZE_REASON_CHARS
     )

@@ -7,7 +7,6 @@ to ``outcome.json`` beside the spec, where the hook reads it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import sys
@@ -30,7 +29,12 @@ from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.outcome import Outcome
 from airflow_provider_torchdist.spark.owner import read_owner_token, write_channel_address
 from airflow_provider_torchdist.spark.rank_logs import rank_filter
-from airflow_provider_torchdist.spark.spark_context import first_line, stop_spark
+from airflow_provider_torchdist.spark.spark_context import (
+    cluster_channel,
+    first_line,
+    group_canceller,
+    stop_spark,
+)
 
 LOCAL_HOST = "127.0.0.1"
 
@@ -95,32 +99,17 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
     from pyspark import SparkContext
 
     from airflow_provider_torchdist.spark.barrier import barrier_task
-    from airflow_provider_torchdist.spark.scheduler_identity import SchedulerVerifier
     from airflow_provider_torchdist.spark.slots import wait_for_slots
 
     emit("spark_context_start")
     sc = SparkContext.getOrCreate()
     emit("spark_context_up")
     group = f"torchdist-{spec.run_id}"
-    owner_token = read_owner_token(staging)
-
-    def cancel() -> None:
-        # A late report may arrive after the SparkContext stopped: then there is nothing to cancel.
-        with contextlib.suppress(Exception):
-            sc.cancelJobGroup(group)
-
+    cancel = group_canceller(sc, group)
     try:
         nproc = spec.nproc_per_node
-        channel = RunChannel(
-            spec.token,
-            sc.getConf().get("spark.driver.host"),
-            staging,
-            cancel,
-            ranks_of_node=lambda n: range(n * nproc, (n + 1) * nproc),
-            verify_node=SchedulerVerifier(sc, group),
-            owner_token=owner_token,
-            echo_stdout=owner_token is None,  # the hook follows the run as its owner
-            rank_filter=rank_filter(spec.log_ranks, staging),
+        channel = cluster_channel(
+            spec, staging, sc, group, cancel, ranks_of_node=lambda n: range(n * nproc, (n + 1) * nproc)
         )
         with channel:
             write_channel_address(staging, channel.address)  # for the hook, which follows the run as owner

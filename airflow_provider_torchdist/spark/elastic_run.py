@@ -7,7 +7,6 @@ history; a verdict that names the losses when the run cannot go on.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import json
@@ -17,16 +16,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_torchdist.spark.channel import RunChannel
 from airflow_provider_torchdist.spark.elastic import RendezvousStore
 from airflow_provider_torchdist.spark.events import emit
 from airflow_provider_torchdist.spark.executor_loss import ExecutorWatch
 from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.outcome import Outcome
-from airflow_provider_torchdist.spark.owner import read_owner_token, write_channel_address
+from airflow_provider_torchdist.spark.owner import write_channel_address
 from airflow_provider_torchdist.spark.protocol import ProtocolError
-from airflow_provider_torchdist.spark.rank_logs import rank_filter
-from airflow_provider_torchdist.spark.spark_context import first_line, stop_spark
+from airflow_provider_torchdist.spark.spark_context import (
+    cluster_channel,
+    first_line,
+    group_canceller,
+    stop_spark,
+)
 from airflow_provider_torchdist.spark.world_sizes import WorldSizeHistory
 
 
@@ -36,7 +38,6 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
     from pyspark import SparkContext
 
     from airflow_provider_torchdist.spark.elastic import elastic_task
-    from airflow_provider_torchdist.spark.scheduler_identity import SchedulerVerifier
     from airflow_provider_torchdist.spark.slots import wait_for_slots
 
     # The driver serves the rendezvous store, so it needs torch (about a second to import): import it
@@ -46,29 +47,21 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
     sc = SparkContext.getOrCreate()
     emit("spark_context_up")
     group = f"torchdist-{spec.run_id}"
-    owner_token = read_owner_token(staging)
-
-    def cancel() -> None:
-        with contextlib.suppress(Exception):
-            sc.cancelJobGroup(group)
-
+    cancel = group_canceller(sc, group)  # also when an agent gives up (out of restarts, below MIN)
     try:
         host = sc.getConf().get("spark.driver.host")
         store = RendezvousStore(host, timeout=spec.rendezvous_timeout + 60, token=spec.token)
         monitor = ElasticMonitor(spec, store, cancel, say=lambda text: channel.say(text))
         history = monitor.history
-        channel = RunChannel(
-            spec.token,
-            host,
+        channel = cluster_channel(
+            spec,
             staging,
-            cancel,  # an agent that gives up (out of restarts, below MIN) ends the run
+            sc,
+            group,
+            cancel,
             # The rendezvous gives out the global ranks anew in every generation: a node's ranks
             # may be any of them (its identity is still its verified host and key).
             ranks_of_node=lambda _: range(spec.max_processes),
-            verify_node=SchedulerVerifier(sc, group),
-            owner_token=owner_token,
-            echo_stdout=owner_token is None,
-            rank_filter=rank_filter(spec.log_ranks, staging),
             on_world_size=monitor.world_size,
         )
         with channel:

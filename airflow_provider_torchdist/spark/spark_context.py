@@ -1,13 +1,21 @@
-"""The driver's SparkContext: stopping it fast, and Spark's errors in one line.
+"""The driver's SparkContext: its job group's cancel, the run channel its tasks report to,
+stopping it fast, and Spark's errors in one line.
 
 Shared by the fixed-size driver (:mod:`.driver`) and the elastic one (:mod:`.elastic_run`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from airflow_provider_torchdist.spark.channel import RunChannel
 from airflow_provider_torchdist.spark.events import emit
+from airflow_provider_torchdist.spark.jobspec import JobSpec
+from airflow_provider_torchdist.spark.owner import read_owner_token
+from airflow_provider_torchdist.spark.rank_logs import rank_filter
 
 
 def release_accumulator_server(sc: Any) -> None:
@@ -40,3 +48,36 @@ def first_line(exc: BaseException) -> str:
         if "Exception" in line or "Error" in line:
             return line.strip()[:2000]
     return text[:2000]
+
+
+def group_canceller(sc: Any, group: str) -> Callable[[], None]:
+    """Cancel the run's job group (its stage and the tasks in it)."""
+
+    def cancel() -> None:
+        # A late report may arrive after the SparkContext stopped: then there is nothing to cancel.
+        with contextlib.suppress(Exception):
+            sc.cancelJobGroup(group)
+
+    return cancel
+
+
+def cluster_channel(
+    spec: JobSpec, staging: Path, sc: Any, group: str, cancel: Callable[[], None], **settings: Any
+) -> RunChannel:
+    """The run channel of a run whose nodes are Spark tasks of ``group``: on the driver's host, its
+    nodes vouched for by Spark's scheduler, an agent's failure cancelling the stage. ``settings``:
+    ``ranks_of_node`` and whatever else the mode adds."""
+    from airflow_provider_torchdist.spark.scheduler_identity import SchedulerVerifier
+
+    owner_token = read_owner_token(staging)
+    return RunChannel(
+        spec.token,
+        sc.getConf().get("spark.driver.host"),
+        staging,
+        cancel,
+        verify_node=SchedulerVerifier(sc, group),
+        owner_token=owner_token,
+        echo_stdout=owner_token is None,  # the hook follows the run as its owner
+        rank_filter=rank_filter(spec.log_ranks, staging),
+        **settings,
+    )
