@@ -106,7 +106,12 @@ def plan_fast_start(
         str(spec.spark_submit_kwargs.get("driver_memory")),
     ]
     jvm = plan_driver_jvm_start(
-        private_cache_dir(cache_root(full)), key_parts, user_options, java_feature_version(java)
+        private_cache_dir(cache_root(full)),
+        key_parts,
+        user_options,
+        java_feature_version(java),
+        # On a local master the tasks that read train_data run in the driver JVM: C2 for them.
+        c1_only=not (target.is_local and spec.train_data is not None),
     )
     env["SPARK_SUBMIT_OPTS"] = jvm.spark_submit_opts(full.get("SPARK_SUBMIT_OPTS"))
     return FastStart(env, jvm)

@@ -1,5 +1,8 @@
 """``train_data`` on the Spark side: the DataFrame, and each rank's rows brought to its node.
 
+When every Spark task runs on the ranks' machine (a ``local[...]`` master), the tasks write the
+rows where the ranks read them (:mod:`.same_host_shards`, :func:`on_shared_disk`). Otherwise:
+
 The driver builds the DataFrame (a query, a table, or the user's ``fn(spark)``) and counts its rows
 per partition, a small job that runs in the JVM. That fixes every row's global index (its
 partition's offset plus its place in the partition), and the index alone decides its rank
@@ -24,12 +27,14 @@ every partition's count against the plan, and the nodes every rank's, and fail s
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.rank_data import DATA_DIR_ENV
+from airflow_provider_torchdist.spark.same_host_shards import same_host, same_host_shards
 from airflow_provider_torchdist.spark.shard_files import (
     BlobPacker,
     ShardWriter,
@@ -213,16 +218,67 @@ def data_barrier_task(
         remove_directory(directory)
 
 
+def shared_data_task(
+    spec: JobSpec, channel_address: tuple[str, int], driver_output_dir: str, directory: str, _: Iterator[int]
+) -> Iterator[str]:
+    """The barrier task of a run whose rows the tasks already wrote into ``directory``, on this
+    machine (:func:`on_shared_disk`): the node's ranks read them there."""
+    from airflow_provider_torchdist.spark.barrier import barrier_task
+
+    def prepare() -> None:
+        os.environ[DATA_DIR_ENV] = directory
+
+    try:
+        yield from barrier_task(spec, channel_address, driver_output_dir, iter(()), prepare=prepare)
+    finally:
+        os.environ.pop(DATA_DIR_ENV, None)  # a reused Python worker must not hand it to the next task
+
+
 def has_train_data(spec: JobSpec) -> bool:
     return bool(spec.train_data or spec.data_file)
 
 
-def distributed_shards(sc: Any, spec: JobSpec, staging: Path, say: Any) -> tuple[Any, Any, tuple[int, ...]]:
-    """The DataFrame whose partition n holds node n's blobs, the shard files' schema, and the rows
+#: Spark setting: ``shuffle`` moves the rows with Spark's shuffle even when every task runs on the
+#: ranks' machine (``auto``, the default, writes them there: :mod:`.same_host_shards`).
+ROUTE_CONF = "spark.torchdist.trainData.route"
+
+
+def shares_disk(sc: Any) -> bool:
+    """Whether the tasks that compute the rows can write them where the ranks read them."""
+    route = sc.getConf().get(ROUTE_CONF, "auto").strip().lower()
+    if route not in ("auto", "shuffle"):
+        raise TrainDataError(f"{ROUTE_CONF} must be 'auto' or 'shuffle', got {route!r}")
+    return route == "auto" and same_host(sc.master)
+
+
+def on_shared_disk(spark: Any, spec: JobSpec, staging: Path, say: Any) -> Path:
+    """Every rank's rows in ``<staging>/data``, written there by the tasks (the same machine)."""
+    directory = staging / "data"
+    df = build_dataframe(spark, spec, staging)
+    try:
+        return same_host_shards(df, spec, arrow_schema(df), directory, say)
+    except TrainDataError:
+        raise
+    except Exception as exc:
+        # A full disk is the task's OSError, as Spark reports it: name the machine and the directory.
+        text = str(exc)
+        if "cannot write a train_data piece" in text:
+            line = next(x for x in text.splitlines() if "cannot write a train_data piece" in x)
+            raise TrainDataError(f"on {socket.gethostname()}: {line.strip()}") from None
+        raise TrainDataError(f"train_data failed before training: {first_line(exc)}") from None
+
+
+def distributed_shards(
+    sc: Any, spec: JobSpec, staging: Path, say: Any
+) -> tuple[Any, Any, tuple[int, ...]] | Path:
+    """Where node n finds its rows: the directory every task shares (:func:`on_shared_disk`), or
+    the DataFrame whose partition n holds node n's blobs, the shard files' schema, and the rows
     per rank."""
     from pyspark.sql import SparkSession
 
     spark = SparkSession.builder.getOrCreate()  # on ``sc``, the driver's context
+    if shares_disk(sc):
+        return on_shared_disk(spark, spec, staging, say)
     df = build_dataframe(spark, spec, staging)
     plan = plan_shards(df, spec, spec.num_processes)
     say(plan.describe())
@@ -238,6 +294,8 @@ def local_shards(spec: JobSpec, staging: Path, say: Any) -> Path:
     spark = SparkSession.builder.getOrCreate()
     directory = staging / "data"
     try:
+        if shares_disk(spark.sparkContext):
+            return on_shared_disk(spark, spec, staging, say)
         df = build_dataframe(spark, spec, staging)
         plan = plan_shards(df, spec, spec.num_processes)
         say(plan.describe())

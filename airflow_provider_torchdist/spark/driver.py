@@ -173,11 +173,21 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
 
 
 def data_stage(
-    shards: tuple[Any, Any, tuple[int, ...]], spec: JobSpec, channel_address: tuple[str, int], staging: str
+    shards: tuple[Any, Any, tuple[int, ...]] | Path,
+    spec: JobSpec,
+    channel_address: tuple[str, int],
+    staging: str,
 ) -> list[str]:
     """The barrier stage of a run with ``train_data``: one task per node over its rows."""
-    from airflow_provider_torchdist.spark.data_shards import data_barrier_task
+    from pyspark import SparkContext
 
+    from airflow_provider_torchdist.spark.data_shards import data_barrier_task, shared_data_task
+
+    if isinstance(shards, Path):  # written on this machine, where every task runs
+        stage = SparkContext.getOrCreate().parallelize(range(spec.num_nodes), spec.num_nodes).barrier()
+        return stage.mapPartitions(
+            functools.partial(shared_data_task, spec, channel_address, staging, str(shards))
+        ).collect()
     nodes, schema, sizes = shards
     task = functools.partial(data_barrier_task, spec, channel_address, staging, schema, sizes)
     return [row["result"] for row in nodes.mapInArrow(task, "result string", barrier=True).collect()]

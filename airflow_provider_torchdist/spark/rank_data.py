@@ -1,8 +1,9 @@
 """What a rank reads of ``train_data=``: its shard, as a memory-mapped Arrow table or as tensors.
 
 The driver's Spark stage writes, on each node, one Arrow IPC file per global rank,
-``$TORCHDIST_DATA_DIR/rank-<RANK>.arrow``, and sets ``TORCHDIST_DATA_DIR`` in every rank (it is unset
-when the run has no ``train_data``). Training code reads it like this::
+``$TORCHDIST_DATA_DIR/rank-<RANK>.arrow``, or, when the Spark tasks ran on the ranks' machine, one
+per partition and a manifest of each rank's slices of them (``shards.json``); it sets
+``TORCHDIST_DATA_DIR`` in every rank (unset when the run has no ``train_data``). Training code reads it like this::
 
     from airflow_provider_torchdist import rank_batches
 
@@ -18,6 +19,7 @@ pressure. Runs on the Spark side: imports no Airflow, and pyarrow and torch only
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Iterator
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
     import torch
 
 DATA_DIR_ENV = "TORCHDIST_DATA_DIR"
+#: When every Spark task ran on the ranks' machine: which rows of which pieces are each rank's
+#: (``{"ranks": {"<RANK>": [[piece file, first row, rows], ...]}}``), instead of a file per rank.
+MANIFEST = "shards.json"
 
 
 def shard_file(directory: str | os.PathLike[str], rank: int) -> Path:
@@ -38,6 +43,7 @@ def shard_file(directory: str | os.PathLike[str], rank: int) -> Path:
 
 
 def _this_rank_shard_file() -> Path:
+    """This rank's file, or the directory's manifest when the rank has no file of its own."""
     directory = os.environ.get(DATA_DIR_ENV)
     if not directory:
         raise RuntimeError(
@@ -50,6 +56,8 @@ def _this_rank_shard_file() -> Path:
             "RANK is not set: rank_shard() and rank_batches() work only inside a rank the provider launched"
         )
     path = shard_file(directory, int(rank))
+    if not path.is_file() and (Path(directory) / MANIFEST).is_file():
+        path = Path(directory) / MANIFEST
     if not path.is_file():
         raise RuntimeError(
             f"rank {rank} has no shard: {path} does not exist ({DATA_DIR_ENV}={directory}). The run's "
@@ -59,7 +67,8 @@ def _this_rank_shard_file() -> Path:
 
 
 def rank_shard() -> pa.Table:
-    """This rank's rows of ``train_data``, as a ``pyarrow.Table`` backed by a memory map of its file.
+    """This rank's rows of ``train_data``, as a ``pyarrow.Table`` backed by a memory map of its file
+    (or of its slices of the partitions' files).
 
     Only the user's columns, in the query's order. Nothing is read until used, so a shard larger
     than RAM works; the table's buffers keep the mapping open for as long as they live.
@@ -69,8 +78,19 @@ def rank_shard() -> pa.Table:
     import pyarrow as pa
 
     path = _this_rank_shard_file()
-    source = pa.memory_map(str(path), "r")
-    return pa.ipc.open_file(source).read_all()
+    if path.name != MANIFEST:
+        return _mapped(path)
+    runs = json.loads(path.read_text())["ranks"][os.environ["RANK"]]
+    tables = [_mapped(path.parent / Path(name).name).slice(first, rows) for name, first, rows in runs]
+    return pa.concat_tables(tables)
+
+
+def _mapped(path: Path) -> pa.Table:
+    """The Arrow file at ``path``, memory-mapped; the descriptor is closed, the mapping lives on."""
+    import pyarrow as pa
+
+    with pa.memory_map(str(path), "r") as source:
+        return pa.ipc.open_file(source).read_all()
 
 
 def _tensor_kind(field: pa.Field) -> str | None:

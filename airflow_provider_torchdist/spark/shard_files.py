@@ -62,7 +62,12 @@ class ShardWriter:
     FLUSH_BYTES = 64 << 20
 
     def __init__(
-        self, directory: str | Path, ranks: Iterable[int], schema: Any, expected: dict[int, int] | None = None
+        self,
+        directory: str | Path,
+        ranks: Iterable[int],
+        schema: Any,
+        expected: dict[int, int] | None = None,
+        files: dict[int, str] | None = None,
     ) -> None:
         import pyarrow as pa
 
@@ -70,7 +75,9 @@ class ShardWriter:
         self._schema = schema
         #: The plan's rows per rank: a different count at the end means the query is not deterministic.
         self._expected = expected
-        self._files = {r: pa.OSFile(str(shard_file(directory, r)), "wb") for r in ranks}
+        #: Where each key's rows go: ``rank-<RANK>.arrow`` in ``directory``, unless ``files`` says.
+        self.paths = files or {r: str(shard_file(directory, r)) for r in ranks}
+        self._files = {r: pa.OSFile(path, "wb") for r, path in self.paths.items()}
         self._writers = {r: pa.ipc.new_file(f, schema) for r, f in self._files.items()}
         self._pending: dict[int, list[Any]] = {r: [] for r in self._writers}
         self._pending_bytes = dict.fromkeys(self._writers, 0)
@@ -93,18 +100,24 @@ class ShardWriter:
                 self._writers[rank].write_batch(batch)
         self._pending[rank], self._pending_bytes[rank] = [], 0
 
-    def add_ipc(self, rank: int, blob: bytes) -> None:
-        """One blob of :class:`BlobPacker`'s: an Arrow IPC stream of ``rank``'s rows."""
+    def add(self, rank: int, batch: Any) -> None:
+        """Some of ``rank``'s rows: a record batch with the file's columns."""
         import pyarrow as pa
 
         if rank not in self._writers:
             raise TrainDataError(
                 f"a row for rank {rank} reached a node that holds ranks {sorted(self._writers)}"
             )
+        # The same columns; Spark's optimizer may know one is never null (a filter on it) where
+        # the query's schema, this file's, says it may be: relabel, no copy.
+        self._add(rank, pa.RecordBatch.from_arrays(batch.columns, schema=self._schema))
+
+    def add_ipc(self, rank: int, blob: bytes) -> None:
+        """One blob of :class:`BlobPacker`'s: an Arrow IPC stream of ``rank``'s rows."""
+        import pyarrow as pa
+
         for batch in pa.ipc.open_stream(blob):
-            # The same columns; Spark's optimizer may know one is never null (a filter on it) where
-            # the query's schema, this file's, says it may be: relabel, no copy.
-            self._add(rank, pa.RecordBatch.from_arrays(batch.columns, schema=self._schema))
+            self.add(rank, batch)
 
     def close(self) -> None:
         for rank in self._writers:
@@ -113,6 +126,13 @@ class ShardWriter:
             writer.close()
         for f in self._files.values():
             f.close()
+
+    def abandon(self) -> None:
+        """Close and remove every file (after a failure: a full disk keeps nothing half-written)."""
+        for f in self._files.values():
+            f.close()
+        for path in self.paths.values():
+            Path(path).unlink(missing_ok=True)
 
     def check_complete(self) -> None:
         """Raise when a rank got other than the plan's count of rows (a query that changed)."""

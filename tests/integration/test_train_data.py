@@ -8,6 +8,7 @@ both modes; ``test_multihost.py`` shows them across two hosts with a driver smal
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import textwrap
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import TrainingFailed
+from airflow_provider_torchdist.spark.data_shards import ROUTE_CONF
 
 pytestmark = pytest.mark.integration
 
@@ -76,19 +78,27 @@ def small_tmp(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def three_mb_of_parquet(tmp_path: Path) -> Path:
+    """About 3 MB as Arrow: more than the 256 KiB tmpfs of the full-disk tests."""
+    data = tmp_path / "data"
+    data.mkdir()
+    ids = list(range(200_000))
+    pq.write_table(pa.table({"id": ids, "x": [float(i) for i in ids]}), data / "part-0.parquet")
+    return data
+
+
 def test_a_node_that_cannot_write_its_shard_fails_the_run_naming_it(
     tmp_path: Path, small_tmp: Path, no_leftovers: None
 ) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
-    ids = list(range(200_000))  # about 3 MB as Arrow: more than the executors' 256 KiB temp directory
-    pq.write_table(pa.table({"id": ids, "x": [float(i) for i in ids]}), data / "part-0.parquet")
+    """The shuffle's route (a cluster's; forced here): each node writes its ranks' files itself."""
+    data = three_mb_of_parquet(tmp_path)
     marker = tmp_path / "ran"
     hook = TorchDistributorHook(
         num_processes=2,
         train_data=f"SELECT * FROM parquet.`{data}`",
         env_vars={"TMPDIR": str(small_tmp)},  # spark-submit's, and so its executors' Python workers'
         rank_env={"RAN_MARKER": str(marker)},
+        conf={ROUTE_CONF: "shuffle"},
     )
     with pytest.raises(TrainingFailed) as raised:
         hook.run(must_not_run)
@@ -98,6 +108,30 @@ def test_a_node_that_cannot_write_its_shard_fails_the_run_naming_it(
     assert "No space left on device" in message
     assert not marker.exists()
     assert list(small_tmp.iterdir()) == []  # the partial shards are gone
+
+
+@pytest.mark.parametrize("local_mode", [False, True], ids=["distributed", "local"])
+def test_pieces_that_do_not_fit_the_staging_disk_fail_before_training_naming_the_machine(
+    tmp_path: Path, small_tmp: Path, no_leftovers: None, local_mode: bool
+) -> None:
+    """The embedded master's route: the tasks write the rows into the run's staging directory."""
+    data = three_mb_of_parquet(tmp_path)
+    marker = tmp_path / "ran"
+    hook = TorchDistributorHook(
+        num_processes=2,
+        local_mode=local_mode,
+        train_data=f"SELECT * FROM parquet.`{data}`",
+        staging_dir=str(small_tmp),
+        rank_env={"RAN_MARKER": str(marker)},
+    )
+    with pytest.raises(TrainingFailed) as raised:
+        hook.run(must_not_run)
+    message = str(raised.value)
+    assert f"on {socket.gethostname()}: " in message
+    assert f"cannot write a train_data piece into {small_tmp}" in message
+    assert "No space left on device" in message
+    assert not marker.exists()
+    assert list(small_tmp.iterdir()) == []  # the staging directory, pieces and all, is gone
 
 
 SCRIPT = textwrap.dedent(

@@ -263,3 +263,21 @@ def test_spark_home_is_left_alone_when_set_or_for_another_spark_submit(clean_env
     assert "SPARK_HOME" not in env
     assert installed_spark_home("spark3-submit", {"PATH": str(other)}) is None
     assert installed_spark_home("spark-submit", {"SPARK_HOME": "/opt/spark"}) is None
+
+
+@pytest.mark.parametrize("train_data, c1", [(None, True), ("SELECT 1 AS x", False)])
+def test_a_local_master_reading_train_data_keeps_the_optimizing_compiler(clean_env, tmp_path, train_data, c1):
+    """Its tasks convert every row inside the driver JVM, where C1-only code is much slower."""
+    hook = TorchDistributorHook(num_processes=2, train_data=train_data)
+    assert hook.target.is_local
+    props = planned_properties(hook)
+    environ = {**os.environ, **submit_environment(hook.spec, hook.target, props)}
+    fast = plan_fast_start(hook.spec, hook.target, environ, props)
+    assert fast.jvm is not None and (C1_ONLY in fast.jvm.options) is c1
+    assert ("-XX:ArchiveClassesAtExit" in fast.env["SPARK_SUBMIT_OPTS"]) is True  # the archive either way
+    fast.finish()
+
+
+def test_the_jvm_plan_leaves_c1_only_out_when_asked():
+    assert C1_ONLY in plan_driver_jvm_start(None, KEY, c1_only=True).options
+    assert plan_driver_jvm_start(None, KEY, c1_only=False).options == []
