@@ -35,6 +35,8 @@ MASTER_WEB_UI_EXTRA = "master-web-ui"
 #: Connection extra with the Spark history server, e.g. ``http://spark-history:18080``: the task then
 #: links to the run's page there, which outlives the driver's own UI.
 HISTORY_SERVER_EXTRA = "history-server-url"
+#: The Spark provider's Spark Connect connection type (``SparkConnectHook``).
+CONNECT_CONN_TYPE = "spark_connect"
 EMBEDDED_HOST = "127.0.0.1"
 DEFAULT_SPARK_BINARY = "spark-submit"
 
@@ -53,6 +55,13 @@ class SparkTarget:
     spark_binary: str = DEFAULT_SPARK_BINARY
     #: Spark settings the target needs (the embedded master keeps its servers on loopback).
     conf: dict[str, str] = field(default_factory=dict)
+    #: A ``spark_connect`` connection's URL (``sc://host:port/;token=...``): the run goes through
+    #: Spark Connect instead of spark-submit (:mod:`~airflow_provider_torchdist.spark.connect_driver`).
+    connect_url: str | None = None
+
+    @property
+    def is_connect(self) -> bool:
+        return self.connect_url is not None
 
     @property
     def is_yarn(self) -> bool:
@@ -89,6 +98,8 @@ def resolve_target(spec: TrainingSpec, log: Any = None) -> SparkTarget:
                 "on the embedded local Spark master."
             ) from None
         return embedded_target(spec, log)
+    if conn.conn_type == CONNECT_CONN_TYPE:
+        return connect_target(spec.conn_id)
     conn_type = "spark" if conn.conn_type == CONN_TYPE else conn.conn_type
     extra = conn.extra_dejson
     data = {
@@ -113,6 +124,19 @@ def resolve_target(spec: TrainingSpec, log: Any = None) -> SparkTarget:
         spark_binary=spec.spark_submit_kwargs.get("spark_binary")
         or extra.get("spark-binary")
         or DEFAULT_SPARK_BINARY,
+    )
+
+
+def connect_target(conn_id: str) -> SparkTarget:
+    """A ``spark_connect`` connection: its URL as the Spark provider's ``SparkConnectHook`` makes
+    it (token and ``use_ssl`` included)."""
+    from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
+
+    url = SparkConnectHook(conn_id=conn_id).get_connection_url()
+    return SparkTarget(
+        master=url.split("/;", 1)[0],  # without the token: what the log and the checks may show
+        connection={"conn_type": CONNECT_CONN_TYPE, "url": url},
+        connect_url=url,
     )
 
 

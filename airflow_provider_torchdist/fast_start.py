@@ -79,7 +79,7 @@ def plan_fast_start(
     spec: TrainingSpec, target: SparkTarget, environ: Mapping[str, str], properties: Mapping[str, str]
 ) -> FastStart:
     """The accelerations for one run, given spark-submit's environment and Spark settings."""
-    if not spec.fast_jvm_start or target.is_yarn or target.is_kubernetes:
+    if not spec.fast_jvm_start or target.is_yarn or target.is_kubernetes or target.is_connect:
         return FastStart({})
     env: dict[str, str] = {}
     full = dict(environ)

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from airflow_provider_torchdist.connect_engine import check_connect_run
 from airflow_provider_torchdist.connection import SparkTarget
 from airflow_provider_torchdist.fast_start import FastStart, plan_fast_start
 from airflow_provider_torchdist.preflight import (
@@ -48,14 +49,19 @@ def check_and_stage(
 ) -> tuple[StagedRun, dict[str, str], dict[str, str]]:
     """Every check that can fail before anything starts, then the staged work; returns the staged
     run, the Spark properties and spark-submit's environment (what :func:`plan_staged` takes)."""
-    environ = {**os.environ, **submit_environment(spec, target, {})}
-    props = spark_properties(spec, target, spark_home(target, environ), environ)
-    check_gpu_conf(spec, target, props)
-    env = submit_environment(spec, target, props)
-    check_spark_binary(target.spark_binary, {**os.environ, **env}.get("PATH"))
-    check_master_reachable(target.master, spec.conn_id)
+    if target.is_connect:  # no spark-submit, no JVM here: the server's cluster runs the job
+        check_connect_run(spec, target)
+        props, env = {}, dict(spec.env_vars)
+        slot_timeout = spec.slot_timeout
+    else:
+        environ = {**os.environ, **submit_environment(spec, target, {})}
+        props = spark_properties(spec, target, spark_home(target, environ), environ)
+        check_gpu_conf(spec, target, props)
+        env = submit_environment(spec, target, props)
+        check_spark_binary(target.spark_binary, {**os.environ, **env}.get("PATH"))
+        check_master_reachable(target.master, spec.conn_id)
+        slot_timeout = check_cluster_capacity(spec, target, log)
     check_checkpoint_dir(spec.checkpoint_dir)
-    slot_timeout = check_cluster_capacity(spec, target, log)
     rank_env = dict(spec.rank_env)
     if spec.checkpoint_dir:
         rank_env[CHECKPOINT_ENV] = str(spec.checkpoint_dir)

@@ -43,7 +43,8 @@ def submission_of(
 ) -> RunProcess:
     """The real run: ``plan.json`` through ``SparkSubmitHook`` (imports the Spark provider).
     ``on_line``: where this process's log lines go besides its log file (:func:`forward_logs`)."""
-    from airflow_provider_torchdist.submit_plan import Submission, SubmitPlan
+    from airflow_provider_torchdist.connect_engine import submission_for
+    from airflow_provider_torchdist.submit_plan import SubmitPlan
 
     data = json.loads(plan_text)
     names = {f.name for f in dataclasses.fields(SubmitPlan)}
@@ -51,7 +52,7 @@ def submission_of(
         raise ValueError(f"{PLAN_FILE} must hold exactly {sorted(names)}, got {sorted(data)}")
     if on_line is not None:
         forward_logs(on_line)
-    return Submission(SubmitPlan.from_json(plan_text))
+    return submission_for(SubmitPlan.from_json(plan_text))
 
 
 def forward_logs(on_line: Callable[[str], Any]) -> None:

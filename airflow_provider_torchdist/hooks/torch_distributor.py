@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from airflow.providers.common.compat.sdk import BaseHook
 
+from airflow_provider_torchdist.connect_engine import ConnectSubmission, submission_for
 from airflow_provider_torchdist.connection import CONN_TYPE, SparkTarget, resolve_target
 from airflow_provider_torchdist.fast_start import FastStart
 from airflow_provider_torchdist.hook_arguments import HOOK_SETTINGS, hook_signature, spec_from_arguments
@@ -115,7 +116,7 @@ class TorchDistributorHook(BaseHook):
         self.run_status: RunStatus | None = None
         self.plan: SubmitPlan | None = None
         #: The last run's spark-submit (its ``session`` is spark-submit's session id, once started).
-        self.submission: Submission | None = None
+        self.submission: Submission | ConnectSubmission | None = None
         #: The run under way: its private staging directory and job spec.
         self.staged: StagedRun | None = None
         #: The supervised run this hook started or follows, and its lifeline while it owns it.
@@ -274,7 +275,7 @@ class TorchDistributorHook(BaseHook):
             owner.close()
 
     def _submit(self, plan: SubmitPlan, staged: StagedRun) -> None:
-        self.submission = Submission(plan)
+        self.submission = submission_for(plan)
         self.metrics, self.world_sizes = [], []
         outcome, submit_error = submit_and_follow(
             self.submission,

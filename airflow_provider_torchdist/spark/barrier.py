@@ -63,6 +63,7 @@ def barrier_task(
     driver_output_dir: str | None,
     _: Iterator[int],
     prepare: Callable[[], None] | None = None,
+    entry_path: str | None = None,
 ) -> Iterator[str]:
     """Rendezvous with the other tasks, then run this node's ranks with torchrun's agent.
 
@@ -71,7 +72,8 @@ def barrier_task(
     it arrives (Spark's ``allGather`` would do the same but polls once a second). A failure goes to
     the driver over the same channel, so the driver can cancel the whole stage at once instead of
     waiting for collectives to time out. ``prepare`` runs first, as part of the node (its failure is
-    the node's): a run with ``train_data`` writes the node's shards there.
+    the node's): a run with ``train_data`` writes the node's shards there. ``entry_path``: where the
+    payload or script is on this node (default: the file spark-submit shipped, ``SparkFiles``).
     """
     from pyspark import BarrierTaskContext, SparkFiles
 
@@ -108,7 +110,7 @@ def barrier_task(
         failures = launch_node(
             spec,
             node_rank=node,
-            entry_path=SparkFiles.get(spec.entry),
+            entry_path=entry_path or SparkFiles.get(spec.entry),
             channel_address=channel_address,
             host=host,
             master=master,

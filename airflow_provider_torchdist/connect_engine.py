@@ -1,0 +1,127 @@
+"""Spark Connect as the engine of a run: the checks before it starts, and its "submission".
+
+A ``spark_connect`` connection sends the run through Spark Connect: instead of ``spark-submit``
+starting a Spark driver JVM here, a Python child process
+(:mod:`~airflow_provider_torchdist.spark.connect_driver`) opens a Connect session and runs the
+barrier stage on the server's cluster. :class:`ConnectSubmission` has :class:`.submit_plan.Submission`'s
+interface (``run``, ``kill``, ``session``), so the hook's in-process path and the supervisor run it
+unchanged, and the follower, the outcome file and the kill by session work as for spark-submit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from urllib.parse import urlparse
+
+from airflow.providers.common.compat.sdk import AirflowException
+
+from airflow_provider_torchdist.connection import CONNECT_CONN_TYPE, SparkTarget
+from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed
+from airflow_provider_torchdist.spark.connect_driver import URL_ENV
+from airflow_provider_torchdist.spark.events import emit
+from airflow_provider_torchdist.spec import TrainingSpec
+from airflow_provider_torchdist.submit_plan import SUBMISSION_MARKER, Submission, SubmitPlan
+
+log = logging.getLogger(__name__)
+
+#: Seconds to wait for the Connect server's port before saying it cannot be reached.
+CONNECT_TIMEOUT_S = 5.0
+
+
+def check_connect_run(spec: TrainingSpec, target: SparkTarget, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Refuse what this engine does not do, then check that the server's port answers."""
+    where = f"over the Spark Connect connection {spec.conn_id!r}"
+    if spec.local_mode:
+        raise InvalidTrainingConfig(
+            f"local_mode=True cannot run {where}: the Connect server's driver runs no user code, and "
+            "local mode trains on the Spark driver's machine. Use local_mode=False (the ranks run in "
+            "the server's executors), or a 'spark' connection for local mode."
+        )
+    unsupported = {
+        "an elastic num_processes": spec.elastic,
+        "train_data": spec.train_data is not None,
+        "py_files": bool(spec.py_files),
+    }
+    if named := [name for name, used in unsupported.items() if used]:
+        raise InvalidTrainingConfig(
+            f"{', '.join(named)} cannot run {where} yet: use a 'spark' connection (spark-submit) for it"
+        )
+    url = urlparse((target.connect_url or "").replace("sc://", "http://", 1))
+    try:
+        with socket.create_connection((url.hostname or "", url.port or 15002), timeout=timeout):
+            return
+    except OSError as exc:
+        raise SparkSubmitFailed(
+            f"Cannot reach the Spark Connect server {target.master} ({exc.strerror or type(exc).__name__}), "
+            f"so nothing was started. Check that the server is running and that the connection "
+            f"{spec.conn_id!r} names its host and port (sc://host:15002), reachable from this worker."
+        ) from None
+
+
+def submission_for(plan: SubmitPlan) -> Submission | ConnectSubmission:
+    """The submission that runs ``plan``: spark-submit, or the Connect driver for a Connect target."""
+    if plan.connection.get("conn_type") == CONNECT_CONN_TYPE:
+        return ConnectSubmission(plan)
+    return Submission(plan)
+
+
+class ConnectSubmission:
+    """The Connect driver as a child in a session of its own (its PID), run to its end.
+
+    The plan's ``application_args`` hold the staged spec; the URL (which may carry a token) is
+    the plan's ``connection["url"]``, passed in the child's environment, never on its command line.
+    """
+
+    def __init__(self, plan: SubmitPlan) -> None:
+        self.plan = plan
+        self.session: int | None = None
+        self._proc: subprocess.Popen[str] | None = None
+
+    def run(self) -> None:
+        """The Connect driver to its end; raises ``AirflowException`` when it fails."""
+        env = {
+            **os.environ,
+            **self.plan.env,
+            URL_ENV: self.plan.connection["url"],
+            SUBMISSION_MARKER: "connect",
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "airflow_provider_torchdist.spark.connect_driver",
+            *self.plan.application_args,
+        ]
+        emit("spark_submit_start")
+        try:
+            self._proc = subprocess.Popen(
+                command,
+                env=env,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+            )
+            self.session = self._proc.pid
+            assert self._proc.stdout is not None
+            for line in self._proc.stdout:
+                log.info("%s", line.rstrip("\n"))
+            code = self._proc.wait()
+        finally:
+            emit("spark_submit_end")
+        if code != 0:
+            raise AirflowException(f"The Spark Connect driver exited with code {code}")
+
+    def kill(self) -> None:
+        """End the driver: on SIGTERM it interrupts its Connect job (``interruptTag``), then exits."""
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass

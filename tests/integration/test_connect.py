@@ -1,0 +1,160 @@
+"""Spark Connect as the engine: the core runs over a ``spark_connect`` connection to a real Connect
+server (``local[2]``, on 127.0.0.1, started once per session by ``connect_server``).
+
+The hook starts no spark-submit here: its child is the Connect driver, a Connect client that runs
+the barrier stage as a tagged ``mapInArrow(..., barrier=True)`` job on the server's executors.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from airflow_provider_torchdist import TorchDistributorHook
+from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
+from tests.integration.connect_server import ConnectServer, connect_server  # noqa: F401
+from tests.integration.test_training import SCRIPT, fail_on_rank_one, lightning_train, train_and_report
+
+pytestmark = pytest.mark.integration
+
+CONN_ID = "torchdist_connect"
+
+
+@pytest.fixture
+def connect_conn(connect_server: ConnectServer, monkeypatch: pytest.MonkeyPatch) -> str:  # noqa: F811
+    """A ``spark_connect`` connection (the Spark provider's type) to the session's server."""
+    conn = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": connect_server.port}
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", json.dumps(conn))
+    return CONN_ID
+
+
+def test_a_callable_trains_over_connect_and_rank_zero_returns_tensors(
+    connect_conn: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
+    result = hook.run(train_and_report, 2.0, offset=1.0)
+    assert (result["rank"], result["world_size"], result["allreduce"]) == (0, 2, 1.0)
+    assert torch.equal(result["tensor"], torch.tensor([1.0, 3.0, 5.0]))
+    assert [(m["rank"], m["step"], m["loss"]) for m in hook.metrics] == [(0, 1, 0.5)]
+    text = "".join(capfd.readouterr())
+    assert "distributed mode over Spark Connect: 2 Spark task(s)" in text
+    assert "[rank 1 @ 127.0.0.1] hello from rank 1 of 2" in text  # live, rank-prefixed lines
+    assert "spark-submit" not in text.replace("spark_submit", "")  # no spark-submit on this path
+
+
+def test_two_ranks_per_task_over_connect(connect_conn: str) -> None:
+    result = TorchDistributorHook(conn_id=connect_conn, num_processes=2, nproc_per_node=2).run(
+        train_and_report, 1.0
+    )
+    assert (result["world_size"], result["allreduce"]) == (2, 1.0)
+
+
+def test_rank_one_raising_fails_the_run_naming_rank_host_and_exception(connect_conn: str) -> None:
+    with pytest.raises(TrainingFailed) as info:
+        TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(fail_on_rank_one)
+    assert info.value.failed_ranks == [1]
+    message = str(info.value)
+    assert "rank 1 on 127.0.0.1" in message
+    assert "ValueError: rank one refuses to train" in message
+    assert "in fail_on_rank_one" in message
+
+
+def test_a_script_runs_over_connect_and_its_exit_code_fails_the_run(
+    connect_conn: str, tmp_path: Path
+) -> None:
+    script = tmp_path / "train_script.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
+    assert hook.run(str(script), str(out), "-1") is None
+    assert sorted(json.loads((out / f"rank{r}.json").read_text())["rank"] for r in (0, 1)) == [0, 1]
+    with pytest.raises(TrainingFailed) as info:
+        hook.run(str(script), str(out), "1")
+    assert info.value.failed_ranks == [1]
+    assert "exit code 3" in str(info.value)
+
+
+def test_lightning_over_connect(connect_conn: str) -> None:
+    result = TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(lightning_train)
+    assert (result["global_rank"], result["world_size"]) == (0, 2)
+    assert result["metrics"]["train_loss"] >= 0
+
+
+def test_local_mode_over_connect_is_refused_before_anything_starts(connect_conn: str) -> None:
+    hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2, local_mode=True)
+    with pytest.raises(InvalidTrainingConfig, match="the Connect server's driver runs no user code"):
+        hook.run(train_and_report, 1.0)
+    assert hook.submission is None
+
+
+def test_an_unreachable_connect_server_fails_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.integration.deployment import free_port
+
+    port = free_port()  # nothing listens there
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_NOWHERE", json.dumps({"conn_type": "spark_connect", "host": "127.0.0.1", "port": port})
+    )
+    hook = TorchDistributorHook(conn_id="nowhere", num_processes=2)
+    with pytest.raises(
+        SparkSubmitFailed, match=rf"Cannot reach the Spark Connect server sc://127.0.0.1:{port}"
+    ):
+        hook.run(train_and_report, 1.0)
+    assert hook.submission is None
+
+
+def note_pids_and_sleep(marker_dir: str) -> None:
+    """Each rank notes its PID and its agent's (torchrun's), then trains "forever"."""
+    import os
+
+    Path(marker_dir, f"rank{os.environ['RANK']}.json").write_text(json.dumps([os.getpid(), os.getppid()]))
+    time.sleep(300)
+
+
+def test_a_kill_mid_training_interrupts_the_job_and_leaves_nothing_on_the_executors(
+    connect_conn: str, tmp_path: Path
+) -> None:
+    hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            hook.run(note_pids_and_sleep, str(tmp_path))
+        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
+            raised.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    files = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all(f.exists() and f.read_text() for f in files):
+        assert runner.is_alive() and time.monotonic() < deadline, f"the ranks never started: {raised}"
+        time.sleep(0.2)
+    pids = [pid for f in files for pid in json.loads(f.read_text())]  # ranks and their agents
+    started = time.monotonic()
+    hook.on_kill()
+    runner.join(60)
+    assert not runner.is_alive()
+    assert raised and isinstance(raised[0], (TrainingFailed, SparkSubmitFailed))
+    while (
+        alive := [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    ) and (time.monotonic() - started < 30):
+        time.sleep(0.2)
+    assert not alive, f"left on the executors after the kill: {alive}"
+
+
+def test_the_operators_supervised_path_runs_over_connect(connect_conn: str) -> None:
+    """``start_run`` hands the plan to a detached supervisor, which runs the Connect driver."""
+    from airflow_provider_torchdist.spark.output_store import read_output
+
+    hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
+    record = hook.start_run(train_and_report, [3.0], {}, durable=False)
+    result = hook.follow(record, read_output)
+    assert (result["world_size"], result["allreduce"]) == (2, 1.0)
+    assert torch.equal(result["tensor"], torch.tensor([0.0, 3.0, 6.0]))

@@ -1,0 +1,123 @@
+"""Spark Connect as the engine, without a server: the connection, the checks, the submission, the
+channel's node verifier. The runs themselves are in ``tests/integration/test_connect.py``."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from airflow_provider_torchdist import TorchDistributorHook
+from airflow_provider_torchdist.connect_engine import ConnectSubmission, check_connect_run, submission_for
+from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed
+from airflow_provider_torchdist.spark.channel_auth import HelloRefused
+from airflow_provider_torchdist.spark.connect_driver import ConnectVerifier, channel_host, job_tag, main
+from airflow_provider_torchdist.submit_plan import Submission
+
+
+@pytest.fixture
+def listening() -> int:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        yield server.getsockname()[1]
+
+
+def _connect_hook(monkeypatch: pytest.MonkeyPatch, port: int, **settings) -> TorchDistributorHook:
+    conn = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": port, "password": "s3cret-token"}
+    monkeypatch.setenv("AIRFLOW_CONN_SC", json.dumps(conn))
+    return TorchDistributorHook(conn_id="sc", num_processes=2, **settings)
+
+
+def test_a_spark_connect_connection_is_a_connect_target_whose_url_keeps_the_token_out_of_the_master(
+    monkeypatch, listening
+) -> None:
+    hook = _connect_hook(monkeypatch, listening)
+    assert hook.target.is_connect
+    assert hook.target.master == f"sc://127.0.0.1:{listening}"  # what logs and errors show
+    assert "token=s3cret-token" in hook.target.connect_url  # as SparkConnectHook builds it
+    assert hook.target.connection["conn_type"] == "spark_connect"
+
+
+def test_the_plan_of_a_connect_target_runs_the_connect_driver_not_spark_submit(
+    monkeypatch, listening
+) -> None:
+    hook = _connect_hook(monkeypatch, listening)
+    plain = TorchDistributorHook(num_processes=2)
+    assert isinstance(submission_for(_plan(hook)), ConnectSubmission)
+    assert type(submission_for(_plan(plain))) is Submission
+
+
+def _plan(hook: TorchDistributorHook):
+    from airflow_provider_torchdist.run_prepare import check_and_stage, plan_staged
+
+    staged, props, env = check_and_stage(hook.spec, hook.target, hook.log, lambda: 1, [], {})
+    try:
+        return plan_staged(hook.spec, hook.target, staged, props, env)[1]
+    finally:
+        staged.cleanup()
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"local_mode": True}, "local_mode=True cannot run over the Spark Connect connection 'sc'"),
+        ({"num_processes": "1:2"}, "an elastic num_processes cannot run over"),
+        ({"train_data": "SELECT 1 AS x"}, "train_data cannot run over"),
+    ],
+    ids=["local-mode", "elastic", "train_data"],
+)
+def test_what_connect_does_not_do_is_refused_before_anything_starts(
+    monkeypatch, listening, settings, message
+):
+    hook = _connect_hook(
+        monkeypatch, listening, **{k: v for k, v in settings.items() if k != "num_processes"}
+    )
+    if "num_processes" in settings:
+        hook = TorchDistributorHook(conn_id="sc", num_processes=settings["num_processes"])
+    with pytest.raises(InvalidTrainingConfig, match=message):
+        check_connect_run(hook.spec, hook.target)
+
+
+def test_an_unreachable_server_is_said_with_its_address_and_no_token(monkeypatch) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    hook = _connect_hook(monkeypatch, port)
+    with pytest.raises(SparkSubmitFailed) as info:
+        check_connect_run(hook.spec, hook.target, timeout=1)
+    assert f"Cannot reach the Spark Connect server sc://127.0.0.1:{port}" in str(info.value)
+    assert "s3cret" not in str(info.value)
+
+
+def test_the_url_reaches_the_driver_in_its_environment_never_on_its_command_line(monkeypatch, listening):
+    hook = _connect_hook(monkeypatch, listening)
+    plan = _plan(hook)
+    assert not any("s3cret" in arg for arg in plan.application_args)
+    assert "token=s3cret-token" in plan.connection["url"]
+
+
+def test_the_verifier_takes_each_node_once_on_the_host_it_connects_from() -> None:
+    verify = ConnectVerifier()
+    assert verify(0, 11, "10.0.0.5") == "10.0.0.5"
+    assert verify(1, 12, "10.0.0.6") == "10.0.0.6"
+    with pytest.raises(HelloRefused, match="node 0 is registered already"):
+        verify(0, 13, "10.0.0.7")
+
+
+def test_the_channel_binds_on_the_route_to_the_server_and_the_job_has_the_runs_tag() -> None:
+    assert channel_host("sc://127.0.0.1:15002/;token=x") == "127.0.0.1"
+    assert job_tag("run-1") == "torchdist-run-1"
+
+
+def test_a_driver_without_a_url_writes_a_failed_outcome(tmp_path) -> None:
+    from airflow_provider_torchdist.spark.jobspec import JobSpec
+    from airflow_provider_torchdist.spark.outcome import Outcome
+
+    spec = JobSpec(kind="callable", entry="payload.pkl", num_processes=2, run_id="r", token="t" * 32)
+    path = spec.write(tmp_path)
+    assert main(["connect_driver", str(path)], environ={}) == 1
+    outcome = Outcome.read(tmp_path)
+    assert outcome is not None and not outcome.ok
+    assert "TORCHDIST_CONNECT_URL is not set" in outcome.error
