@@ -22,7 +22,7 @@ from airflow.providers.common.compat.sdk import AirflowException
 
 from airflow_provider_torchdist.connection import CONNECT_CONN_TYPE, SparkTarget
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed
-from airflow_provider_torchdist.spark.connect_driver import URL_ENV
+from airflow_provider_torchdist.spark.connect_driver import CHANNEL_HOST_ENV, URL_ENV
 from airflow_provider_torchdist.spark.events import emit
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.submit_plan import SUBMISSION_MARKER, Submission, SubmitPlan
@@ -90,6 +90,8 @@ class ConnectSubmission:
             URL_ENV: self.plan.connection["url"],
             SUBMISSION_MARKER: "connect",
         }
+        if self.plan.connection.get("channel_host"):
+            env[CHANNEL_HOST_ENV] = self.plan.connection["channel_host"]
         command = [
             sys.executable,
             "-m",

@@ -37,6 +37,9 @@ MASTER_WEB_UI_EXTRA = "master-web-ui"
 HISTORY_SERVER_EXTRA = "history-server-url"
 #: The Spark provider's Spark Connect connection type (``SparkConnectHook``).
 CONNECT_CONN_TYPE = "spark_connect"
+#: Connection extra of a ``spark_connect`` connection: the address of the Airflow worker that the
+#: server's executors reach (default: this machine's address on the route to the server's driver).
+CHANNEL_HOST_EXTRA = "channel-host"
 EMBEDDED_HOST = "127.0.0.1"
 DEFAULT_SPARK_BINARY = "spark-submit"
 
@@ -132,10 +135,12 @@ def connect_target(conn_id: str) -> SparkTarget:
     it (token and ``use_ssl`` included)."""
     from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
 
-    url = SparkConnectHook(conn_id=conn_id).get_connection_url()
+    hook = SparkConnectHook(conn_id=conn_id)
+    url = hook.get_connection_url()
+    channel_host = hook.get_connection(conn_id).extra_dejson.get(CHANNEL_HOST_EXTRA)
     return SparkTarget(
         master=url.split("/;", 1)[0],  # without the token: what the log and the checks may show
-        connection={"conn_type": CONNECT_CONN_TYPE, "url": url},
+        connection={"conn_type": CONNECT_CONN_TYPE, "url": url, "channel_host": channel_host},
         connect_url=url,
     )
 

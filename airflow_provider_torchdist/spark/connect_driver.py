@@ -20,11 +20,13 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,10 +40,13 @@ from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.outcome import Outcome
 from airflow_provider_torchdist.spark.owner import read_owner_token, write_channel_address
 from airflow_provider_torchdist.spark.rank_logs import rank_filter
+from airflow_provider_torchdist.spark.slots import SlotsUnavailable
 from airflow_provider_torchdist.spark.spark_context import first_line
 
 #: The Connect server's URL (``sc://host:port/;token=...``): in the environment, since it may hold a token.
 URL_ENV = "TORCHDIST_CONNECT_URL"
+#: The address the run channel listens on for the executors (the connection's ``channel-host``).
+CHANNEL_HOST_ENV = "TORCHDIST_CHANNEL_HOST"
 
 
 def job_tag(run_id: str) -> str:
@@ -64,12 +69,76 @@ class ConnectVerifier:
         return peer_ip
 
 
-def channel_host(url: str) -> str:
-    """This machine's address on the route to the Connect server: where its executors reach us."""
-    host = urlparse(url.replace("sc://", "http://", 1)).hostname or "127.0.0.1"
+def route_address(host: str) -> str:
+    """This machine's address on the route to ``host`` (UDP ``connect``: no packet is sent)."""
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as probe:
-        probe.connect((socket.gethostbyname(host), 9))  # UDP: no packet is sent
+        probe.connect((socket.gethostbyname(host), 9))
         return probe.getsockname()[0]
+
+
+def channel_host(url: str, server_driver_host: str | None = None, configured: str | None = None) -> str:
+    """Where the run channel listens for the executors: the connection's ``channel-host`` when set;
+    else this machine's address on the route to the server's Spark driver (which its executors
+    reach, so they likely reach this side of that route too); else on the route to the server."""
+    if configured:
+        return configured
+    for host in (server_driver_host, urlparse(url.replace("sc://", "http://", 1)).hostname):
+        if host:
+            with contextlib.suppress(OSError):
+                return route_address(host)
+    return "127.0.0.1"
+
+
+def local_slots(master: str, task_cpus: int) -> int | None:
+    """The task slots of a ``local[N]`` server master (None: a cluster, or ``local[*]``)."""
+    match = re.fullmatch(r"local\[(\d+)(,\d+)?\]|local", master.strip())
+    if match is None:
+        return None
+    return int(match[1] or 1) // max(task_cpus, 1)
+
+
+class SlotWatch:
+    """Fails the run when not every barrier task has started within ``timeout`` seconds.
+
+    A Connect client cannot see the cluster's executors; what it can see is whether the job's
+    tasks reported in. A barrier stage starts all its tasks at once or none, so none by then means
+    the cluster cannot fit the stage now (Spark's own check would wait about 10 minutes).
+    """
+
+    def __init__(self, channel: RunChannel, needed: int, timeout: float | None, cancel: Any) -> None:
+        self._channel, self._needed, self._timeout, self._cancel = channel, needed, timeout, cancel
+        self._done = threading.Event()
+        #: Set when the watch gave up: the run's error.
+        self.error: str | None = None
+
+    def __enter__(self) -> SlotWatch:
+        threading.Thread(target=self._watch, daemon=True, name="torchdist-slot-watch").start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        start = time.monotonic()
+        while not self._done.wait(1.0):
+            started = len(self._channel.started_nodes)
+            if started >= self._needed:
+                return
+            waited = time.monotonic() - start
+            if self._timeout is not None and waited >= self._timeout:
+                self.error = (
+                    f"The barrier stage needs {self._needed} task slot(s) at once, and {started} of its tasks "
+                    f"started within slot_timeout={self._timeout:.0f}s over Spark Connect: the cluster is too "
+                    "small or busy. Lower num_processes, raise nproc_per_node, or give the cluster more "
+                    "executors/cores."
+                )
+                self._cancel()
+                return
+            if int(waited) % 10 == 0:
+                self._channel.say(
+                    f"waiting for {self._needed - started} of {self._needed} barrier task(s) to start: the "
+                    "stage needs all its task slots at once"
+                )
 
 
 def connect_node_task(
@@ -114,9 +183,12 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
 
     owner_token = read_owner_token(staging)
     nproc = spec.nproc_per_node
+    server_driver_host = None
+    with contextlib.suppress(Exception):  # a server that hides its settings: the route to it
+        server_driver_host = spark.conf.get("spark.driver.host", None)
     channel = RunChannel(
         spec.token,
-        channel_host(url),
+        channel_host(url, server_driver_host, os.environ.get(CHANNEL_HOST_ENV)),
         staging,
         cancel,
         ranks_of_node=lambda n: range(n * nproc, (n + 1) * nproc),
@@ -136,16 +208,22 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
             )
             if channel.rank_filter:
                 channel.say(channel.rank_filter.announcement())
+            master = spark.conf.get("spark.master", "")
+            slots = local_slots(master, int(spark.conf.get("spark.task.cpus", "1") or 1))
+            if slots is not None and slots < spec.num_nodes:
+                raise SlotsUnavailable(spec.num_nodes, slots, f"the Connect server's master {master}")
             entry = (staging / spec.entry).read_bytes()
             task = functools.partial(connect_node_task, spec, channel.address, entry)
             stage = spark.range(spec.num_nodes, numPartitions=spec.num_nodes)
             emit("barrier_stage_submitted")
+            watch = SlotWatch(channel, spec.num_nodes, spec.slot_timeout, cancel)
             try:
-                rows = stage.mapInArrow(task, "result string", barrier=True).collect()
+                with watch:
+                    rows = stage.mapInArrow(task, "result string", barrier=True).collect()
                 results = [row["result"] for row in rows]
             except Exception as exc:
-                if not channel.failures:  # a rank's report is the story; Connect's is the interruption
-                    error = first_line(exc)
+                # A rank's report is the story; Connect's is only the interruption.
+                error = watch.error or (None if channel.failures else first_line(exc))
             emit("barrier_stage_done")
             emit("channel_close")
         emit("channel_closed")

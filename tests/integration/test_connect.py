@@ -158,3 +158,8 @@ def test_the_operators_supervised_path_runs_over_connect(connect_conn: str) -> N
     result = hook.follow(record, read_output)
     assert (result["world_size"], result["allreduce"]) == (2, 1.0)
     assert torch.equal(result["tensor"], torch.tensor([0.0, 3.0, 6.0]))
+
+
+def test_a_stage_the_servers_local_master_cannot_fit_fails_before_any_task(connect_conn: str) -> None:
+    with pytest.raises(TrainingFailed, match=r"needs 3 task slot\(s\) at once but the cluster has 2 .*local\[2\]"):
+        TorchDistributorHook(conn_id=connect_conn, num_processes=3).run(train_and_report, 1.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import pytest
 
@@ -12,7 +13,14 @@ from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.connect_engine import ConnectSubmission, check_connect_run, submission_for
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed
 from airflow_provider_torchdist.spark.channel_auth import HelloRefused
-from airflow_provider_torchdist.spark.connect_driver import ConnectVerifier, channel_host, job_tag, main
+from airflow_provider_torchdist.spark.connect_driver import (
+    ConnectVerifier,
+    SlotWatch,
+    channel_host,
+    job_tag,
+    local_slots,
+    main,
+)
 from airflow_provider_torchdist.submit_plan import Submission
 
 
@@ -108,6 +116,8 @@ def test_the_verifier_takes_each_node_once_on_the_host_it_connects_from() -> Non
 
 def test_the_channel_binds_on_the_route_to_the_server_and_the_job_has_the_runs_tag() -> None:
     assert channel_host("sc://127.0.0.1:15002/;token=x") == "127.0.0.1"
+    assert channel_host("sc://127.0.0.1:15002", server_driver_host="127.0.0.1") == "127.0.0.1"
+    assert channel_host("sc://127.0.0.1:15002", "127.0.0.1", configured="10.9.8.7") == "10.9.8.7"
     assert job_tag("run-1") == "torchdist-run-1"
 
 
@@ -121,3 +131,47 @@ def test_a_driver_without_a_url_writes_a_failed_outcome(tmp_path) -> None:
     outcome = Outcome.read(tmp_path)
     assert outcome is not None and not outcome.ok
     assert "TORCHDIST_CONNECT_URL is not set" in outcome.error
+
+
+@pytest.mark.parametrize(
+    "master, cpus, slots",
+    [
+        ("local[2]", 1, 2),
+        ("local[4]", 2, 2),
+        ("local", 1, 1),
+        ("local[3,2]", 1, 3),
+        ("local[*]", 1, None),
+        ("spark://h:7077", 1, None),
+    ],
+)
+def test_a_local_server_master_says_its_slots(master, cpus, slots) -> None:
+    assert local_slots(master, cpus) == slots
+
+
+class _Channel:
+    def __init__(self) -> None:
+        self.started_nodes: set[int] = set()
+        self.said: list[str] = []
+
+    def say(self, text: str) -> None:
+        self.said.append(text)
+
+
+def test_the_slot_watch_cancels_a_stage_whose_tasks_did_not_all_start_in_time() -> None:
+    channel, cancelled = _Channel(), []
+    channel.started_nodes.add(0)
+    watch = SlotWatch(channel, 2, 1.0, lambda: cancelled.append(True))
+    with watch:
+        deadline = time.monotonic() + 10
+        while not cancelled and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert cancelled == [True]
+    assert "needs 2 task slot(s) at once, and 1 of its tasks started within slot_timeout=1s" in watch.error
+
+
+def test_the_slot_watch_leaves_a_stage_alone_once_every_task_started() -> None:
+    channel, cancelled = _Channel(), []
+    channel.started_nodes.update({0, 1})
+    with SlotWatch(channel, 2, 1.0, lambda: cancelled.append(True)) as watch:
+        time.sleep(2.5)
+    assert cancelled == [] and watch.error is None
