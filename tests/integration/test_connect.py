@@ -161,5 +161,7 @@ def test_the_operators_supervised_path_runs_over_connect(connect_conn: str) -> N
 
 
 def test_a_stage_the_servers_local_master_cannot_fit_fails_before_any_task(connect_conn: str) -> None:
-    with pytest.raises(TrainingFailed, match=r"needs 3 task slot\(s\) at once but the cluster has 2 .*local\[2\]"):
+    with pytest.raises(
+        TrainingFailed, match=r"needs 3 task slot\(s\) at once but the cluster has 2 .*local\[2\]"
+    ):
         TorchDistributorHook(conn_id=connect_conn, num_processes=3).run(train_and_report, 1.0)
