@@ -267,3 +267,33 @@ def test_train_data_reaches_ranks_on_two_hosts_without_passing_through_the_drive
     # Together: every kept id once (the total and sum of the ids match, and no id repeats on a rank).
     assert sum(r["id_sum"] for r in ranks) == int(kept.sum())
     print("RssAnon per rank (MB):", [round(r["rss_anon_kb"] / 1024) for r in ranks])
+
+
+def test_ranks_on_two_test_hosts_rendezvous_over_spark_connect(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A Connect server whose master is this cluster: its driver on the bridge, its executors on the
+    two test hosts; the hook is only its client, over 127.0.0.1."""
+    from tests.integration.connect_server import start_connect_server
+
+    server = start_connect_server(
+        master=f"spark://{cluster.master_host}:{cluster.master_port}",
+        conf={
+            "spark.driver.host": DRIVER_HOST,
+            "spark.driver.bindAddress": DRIVER_HOST,
+            "spark.executor.memory": "512m",
+            "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+        },
+    )
+    try:
+        conn = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": server.port}
+        monkeypatch.setenv("AIRFLOW_CONN_CLUSTER_CONNECT", json.dumps(conn))
+        ranks = TorchDistributorHook(conn_id="cluster_connect", num_processes=2).run(where_ranks_ran)
+    finally:
+        server.stop()
+    addresses = [r["address"] for r in ranks]
+    assert sorted(addresses) == sorted(cluster.worker_hosts)  # two distinct test hosts
+    text = "".join(capfd.readouterr())
+    assert "distributed mode over Spark Connect" in text
+    for rank, address in enumerate(addresses):
+        assert f"[rank {rank} @ {address}] rank {rank} at {address}" in text  # the channel on the bridge
