@@ -21,6 +21,7 @@ timed from just before the fork to just after the exit. Medians and ratios go to
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -30,7 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.integration's Connect server
+
+from common import (  # noqa: E402
     BIN,
     PYTHON,
     REPO,
@@ -45,6 +48,11 @@ from common import (
     spark_submit_cmd,
     update_results,
 )
+
+from tests.integration.connect_server import start_connect_server  # noqa: E402
+
+#: The bench's Spark Connect connection (an AIRFLOW_CONN_ variable naming the warm server).
+CONNECT_CONN_ID = "bench_connect"
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,13 @@ VARIANTS = [
         _value_ok,
     ),
     Variant(
+        "hook_connect",
+        "this project over Spark Connect: `TorchDistributorHook(conn_id=<spark_connect>)`, local_mode=False, "
+        "against a warm Connect server (`local[2]`, started once before the rounds)",
+        lambda: [PYTHON, str(WORKLOADS / "hook_run.py"), "--distributed", "--conn-id", CONNECT_CONN_ID],
+        _value_ok,
+    ),
+    Variant(
         "hook_supervised",
         "this project, `TorchDistributorHook.start_run` + `follow` (the operator's path: a "
         "detached supervisor and its lifeline), local_mode=False",
@@ -193,6 +208,8 @@ def fast_start_savings(samples: dict[str, list[dict[str, Any]]]) -> dict[str, An
 #: (numerator, denominator, target, comparison) for each ratio the issue asks about.
 RATIOS = [
     ("hook_distributed", "torchrun", 2.0, "<="),
+    ("hook_connect", "torchrun", 1.3, "<="),
+    ("hook_connect", "hook_distributed", None, ""),
     ("hook_distributed", "pyspark_distributed", 0.45, "<="),
     ("hook_local", "torchrun", 1.30, "<="),
     ("dag_distributed", "torchrun", 2.0, "<="),
@@ -273,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     log(f"machine: {machine['nproc']} x {machine['cpu_model']}, {machine['mem_gib']} GiB")
     home = make_airflow_home()
     env = bench_env(home)
+    server = None
+    if any(v.name == "hook_connect" for v in variants):
+        server = start_connect_server()  # warm across rounds, as a shared Connect server is
+        env[f"AIRFLOW_CONN_{CONNECT_CONN_ID.upper()}"] = json.dumps(
+            {"conn_type": "spark_connect", "host": "127.0.0.1", "port": server.port}
+        )
+        log(f"Spark Connect server on {server.url}")
     samples: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
     warmup: dict[str, float] = {}
     try:
@@ -290,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     samples[variant.name].append({"round": round_no, "ok": ok, **sample_dict(sample)})
     finally:
+        if server is not None:
+            server.stop()
         shutil.rmtree(home, ignore_errors=True)
         if tree is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)

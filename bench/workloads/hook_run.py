@@ -1,4 +1,4 @@
-"""One launch through this project's hook: ``python hook_run.py --local|--distributed``.
+"""One launch through this project's hook: ``python hook_run.py --local|--distributed [--conn-id ID]``.
 
 A fresh interpreter per sample, so importing Airflow, the hook and cloudpickle counts. Prints one
 ``RESULT {json}`` line with rank 0's value and the time spent inside ``hook.run``.
@@ -34,8 +34,13 @@ def main() -> None:
         action="store_true",
         help="the operator's path: a detached supervisor owned over the lifeline (start_run + follow)",
     )
+    parser.add_argument(
+        "--conn-id",
+        default="spark_default",
+        help="a spark_connect connection: the run goes through Spark Connect",
+    )
     args = parser.parse_args()
-    hook = TorchDistributorHook(num_processes=2, local_mode=args.local, use_gpu=False)
+    hook = TorchDistributorHook(num_processes=2, local_mode=args.local, use_gpu=False, conn_id=args.conn_id)
     t_run = time.time()
     if args.supervised:
         record = hook.start_run(train, durable=False)
