@@ -6,12 +6,12 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    if argv != ["doctor"]:
-        print("usage: python -m airflow_provider_torchdist doctor", file=sys.stderr)
+    if argv not in (["doctor"], ["doctor", "--connect"]):
+        print("usage: python -m airflow_provider_torchdist doctor [--connect]", file=sys.stderr)
         return 2
     from airflow_provider_torchdist.doctor import main as doctor
 
-    return doctor()
+    return doctor(argv[1:])
 
 
 if __name__ == "__main__":

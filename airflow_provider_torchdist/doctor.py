@@ -4,6 +4,10 @@ Checks, in plain words, what a run needs on this Airflow worker and says what to
 missing piece: ``spark-submit``, Spark's jars (``pyspark-client`` has none), Java 17 or newer,
 torch (local mode trains here), the output signing key, and what the installed Airflow offers.
 Nothing is changed: a missing signing key is reported as "made on the first run".
+
+``doctor --connect`` checks a worker that only runs over Spark Connect (a ``spark_connect``
+connection): it needs the Connect client (``pyspark-client`` is enough), not spark-submit, the
+jars, Java or torch.
 """
 
 from __future__ import annotations
@@ -204,9 +208,26 @@ CHECKS: tuple[Callable[[], Finding], ...] = (
 )
 
 
-def run_checks() -> list[Finding]:
+def _connect_client() -> Finding:
+    try:
+        import pyspark
+        import pyspark.sql.connect.session  # noqa: F401 (grpc, pandas, pyarrow come with it)
+    except ImportError as exc:
+        return Finding(
+            False,
+            "Spark Connect client",
+            f"cannot import it ({exc}): pip install 'pyspark-client' (the Spark provider pulls it).",
+        )
+    return Finding(True, "Spark Connect client", f"pyspark {pyspark.__version__}")
+
+
+#: A worker that only runs over Spark Connect: no spark-submit, jars, Java or torch here.
+CONNECT_CHECKS: tuple[Callable[[], Finding], ...] = (_connect_client, _signing_key, _airflow)
+
+
+def run_checks(connect: bool = False) -> list[Finding]:
     findings = []
-    for check in CHECKS:
+    for check in CONNECT_CHECKS if connect else CHECKS:
         try:
             findings.append(check())
         except Exception as exc:  # a check that breaks is a finding, not a crash
@@ -217,8 +238,9 @@ def run_checks() -> list[Finding]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print one line per check; exit 1 when something is missing."""
-    findings = run_checks()
+    """Print one line per check; exit 1 when something is missing. ``--connect``: the checks of a
+    worker that runs only over Spark Connect."""
+    findings = run_checks(connect="--connect" in (argv or []))
     for f in findings:
         print(f"{'ok     ' if f.ok else 'MISSING'} {f.what}: {f.detail}")
     missing = [f for f in findings if not f.ok]

@@ -208,6 +208,9 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
             )
             if channel.rank_filter:
                 channel.say(channel.rank_filter.announcement())
+            with contextlib.suppress(Exception):  # the server's application, for the log and the links
+                if app_id := spark.conf.get("spark.app.id", None):
+                    channel.application(app_id, None)
             master = spark.conf.get("spark.master", "")
             slots = local_slots(master, int(spark.conf.get("spark.task.cpus", "1") or 1))
             if slots is not None and slots < spec.num_nodes:

@@ -88,3 +88,16 @@ def test_the_command_line() -> None:
         [sys.executable, "-m", "airflow_provider_torchdist"], capture_output=True, text=True
     )
     assert usage.returncode == 2 and "usage: python -m airflow_provider_torchdist doctor" in usage.stderr
+
+
+def test_a_connect_only_worker_is_checked_for_the_connect_client_not_spark_submit_java_or_torch(
+    capsys,
+) -> None:
+    assert doctor.main(["--connect"]) == 0
+    out = capsys.readouterr().out
+    assert "ok      Spark Connect client: pyspark " in out
+    assert [f.what for f in doctor.run_checks(connect=True)] == [
+        "Spark Connect client",
+        "signing key",
+        "Airflow",
+    ]
