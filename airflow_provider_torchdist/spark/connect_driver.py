@@ -142,7 +142,7 @@ class SlotWatch:
 
 
 def connect_node_task(
-    spec: JobSpec, channel_address: tuple[str, int], entry: bytes, _: Iterator[Any]
+    spec: JobSpec, channel_address: tuple[str, int], output_dir: str, entry: bytes, rows: Iterator[Any]
 ) -> Iterator[Any]:
     """One barrier task of the job: write the payload privately, then run the node as
     :func:`.barrier.barrier_task` does."""
@@ -150,13 +150,20 @@ def connect_node_task(
 
     from airflow_provider_torchdist.spark.barrier import barrier_task
 
+    # Read the task's input (its one row) to the end: only then does Spark keep this Python worker
+    # for the next job, torch imported and all, instead of starting a new one (about 1 s each run).
+    for _ in rows:
+        pass
+
     directory = tempfile.mkdtemp(prefix="torchdist-connect-")  # 0700
     try:
         path = os.path.join(directory, os.path.basename(spec.entry))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(entry)
-        for result in barrier_task(spec, channel_address, None, iter(()), entry_path=path):
+        # Rank 0 writes its value in place when this client's staging directory is on its machine
+        # too (a server beside this worker), else streams it over the channel.
+        for result in barrier_task(spec, channel_address, output_dir, iter(()), entry_path=path):
             yield pa.RecordBatch.from_pydict({"result": [result]})
     finally:
         import shutil
@@ -216,7 +223,7 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
             if slots is not None and slots < spec.num_nodes:
                 raise SlotsUnavailable(spec.num_nodes, slots, f"the Connect server's master {master}")
             entry = (staging / spec.entry).read_bytes()
-            task = functools.partial(connect_node_task, spec, channel.address, entry)
+            task = functools.partial(connect_node_task, spec, channel.address, str(staging), entry)
             stage = spark.range(spec.num_nodes, numPartitions=spec.num_nodes)
             emit("barrier_stage_submitted")
             watch = SlotWatch(channel, spec.num_nodes, spec.slot_timeout, cancel)

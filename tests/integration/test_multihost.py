@@ -3,6 +3,7 @@ namespaces, each with its own address. The ranks must rendezvous across those re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -269,11 +270,12 @@ def test_train_data_reaches_ranks_on_two_hosts_without_passing_through_the_drive
     print("RssAnon per rank (MB):", [round(r["rss_anon_kb"] / 1024) for r in ranks])
 
 
-def test_ranks_on_two_test_hosts_rendezvous_over_spark_connect(
-    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
-) -> None:
-    """A Connect server whose master is this cluster: its driver on the bridge, its executors on the
-    two test hosts; the hook is only its client, over 127.0.0.1."""
+@contextlib.contextmanager
+def connect_on_cluster(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, conf: dict[str, str] | None = None
+) -> Iterator[str]:
+    """A Connect server whose master is this cluster (its driver on the bridge, its executors on
+    the test hosts), and a ``spark_connect`` connection to it over 127.0.0.1; stopped afterwards."""
     from tests.integration.connect_server import start_connect_server
 
     server = start_connect_server(
@@ -283,17 +285,44 @@ def test_ranks_on_two_test_hosts_rendezvous_over_spark_connect(
             "spark.driver.bindAddress": DRIVER_HOST,
             "spark.executor.memory": "512m",
             "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+            **(conf or {}),
         },
     )
     try:
         conn = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": server.port}
         monkeypatch.setenv("AIRFLOW_CONN_CLUSTER_CONNECT", json.dumps(conn))
-        ranks = TorchDistributorHook(conn_id="cluster_connect", num_processes=2).run(where_ranks_ran)
+        yield "cluster_connect"
     finally:
         server.stop()
+
+
+def test_ranks_on_two_test_hosts_rendezvous_over_spark_connect(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The hook is only the Connect server's client, over 127.0.0.1."""
+    with connect_on_cluster(cluster, monkeypatch) as conn_id:
+        ranks = TorchDistributorHook(conn_id=conn_id, num_processes=2).run(where_ranks_ran)
     addresses = [r["address"] for r in ranks]
     assert sorted(addresses) == sorted(cluster.worker_hosts)  # two distinct test hosts
     text = "".join(capfd.readouterr())
     assert "distributed mode over Spark Connect" in text
     for rank, address in enumerate(addresses):
         assert f"[rank {rank} @ {address}] rank {rank} at {address}" in text  # the channel on the bridge
+
+
+def test_the_gpus_a_connect_servers_tasks_get_become_cuda_visible_devices(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over Connect the server's settings give each task its resources; the ranks map what it got."""
+    gpus = {
+        "spark.executor.resource.gpu.amount": "2",
+        "spark.task.resource.gpu.amount": "2",
+        "spark.executor.cores": "2",
+        "spark.task.cpus": "2",
+    }
+    with connect_on_cluster(cluster, monkeypatch, gpus) as conn_id:
+        hook = TorchDistributorHook(conn_id=conn_id, num_processes=4, nproc_per_node=2, use_gpu=True)
+        ranks = hook.run(where_ranks_ran)
+    for r in ranks:
+        assert sorted(r["cuda_visible_devices"].split(",")) == ["0", "1"]  # the task's two fake GPUs
+    assert sorted({r["address"] for r in ranks}) == sorted(cluster.worker_hosts)
