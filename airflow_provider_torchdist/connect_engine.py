@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+from typing import Any
 from urllib.parse import urlparse
 
 from airflow.providers.common.compat.sdk import AirflowException
@@ -25,7 +26,7 @@ from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmit
 from airflow_provider_torchdist.spark.connect_driver import CHANNEL_HOST_ENV, URL_ENV
 from airflow_provider_torchdist.spark.events import emit
 from airflow_provider_torchdist.spec import TrainingSpec
-from airflow_provider_torchdist.submit_plan import SUBMISSION_MARKER, Submission, SubmitPlan
+from airflow_provider_torchdist.submit_plan import Submission, SubmitPlan
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,9 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 
 
-def check_connect_run(spec: TrainingSpec, target: SparkTarget, timeout: float = CONNECT_TIMEOUT_S) -> None:
+def check_connect_run(
+    spec: TrainingSpec, target: SparkTarget, train_object: Any = None, timeout: float = CONNECT_TIMEOUT_S
+) -> None:
     """Refuse what this engine does not do, then check that the server's port answers."""
     where = f"over the Spark Connect connection {spec.conn_id!r}"
     if spec.local_mode:
@@ -46,12 +49,26 @@ def check_connect_run(spec: TrainingSpec, target: SparkTarget, timeout: float = 
         "an elastic num_processes": spec.elastic,
         "train_data": spec.train_data is not None,
         "py_files": bool(spec.py_files),
+        "module mode (train_object='-m ...')": isinstance(train_object, str)
+        and train_object.startswith("-m"),
     }
     if named := [name for name, used in unsupported.items() if used]:
         raise InvalidTrainingConfig(
             f"{', '.join(named)} cannot run {where} yet: use a 'spark' connection (spark-submit) for it"
         )
+    # Spark settings belong to the server there: its executors, resources and Python are its own.
+    if dropped := [name for name in ("conf", "spark_submit_kwargs") if getattr(spec, name)]:
+        raise InvalidTrainingConfig(
+            f"{' and '.join(dropped)} cannot apply {where}: the Spark application is the Connect server's. "
+            "Set executor resources, GPUs and the executors' Python on the server, and leave these unset."
+        )
     url = urlparse((target.connect_url or "").replace("sc://", "http://", 1))
+    if not url.hostname or url.path not in ("", "/"):
+        raise InvalidTrainingConfig(
+            f"The Spark Connect connection {spec.conn_id!r} does not make a valid sc://host:port URL (a host is "
+            "missing, or a parameter such as the token holds a '/', which the URL cannot carry): check its "
+            "host, and use a token without '/'."
+        )
     try:
         with socket.create_connection((url.hostname or "", url.port or 15002), timeout=timeout):
             return
@@ -88,7 +105,6 @@ class ConnectSubmission:
             **os.environ,
             **self.plan.env,
             URL_ENV: self.plan.connection["url"],
-            SUBMISSION_MARKER: "connect",
         }
         if self.plan.connection.get("channel_host"):
             env[CHANNEL_HOST_ENV] = self.plan.connection["channel_host"]

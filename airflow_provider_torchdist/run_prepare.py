@@ -50,7 +50,7 @@ def check_and_stage(
     """Every check that can fail before anything starts, then the staged work; returns the staged
     run, the Spark properties and spark-submit's environment (what :func:`plan_staged` takes)."""
     if target.is_connect:  # no spark-submit, no JVM here: the server's cluster runs the job
-        check_connect_run(spec, target)
+        check_connect_run(spec, target, train_object)
         props, env = {}, dict(spec.env_vars)
         slot_timeout = spec.slot_timeout
     else:

@@ -17,12 +17,11 @@ run's token (:class:`ConnectVerifier`). The spark-submit path binds nodes more t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import json
 import os
 import re
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -30,13 +29,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from airflow_provider_torchdist.spark.channel import RunChannel
 from airflow_provider_torchdist.spark.channel_auth import HelloRefused
-from airflow_provider_torchdist.spark.driver import started
+from airflow_provider_torchdist.spark.driver import finish, hosts_of, started
 from airflow_provider_torchdist.spark.events import emit
 from airflow_provider_torchdist.spark.jobspec import JobSpec
+from airflow_provider_torchdist.spark.network import route_address
 from airflow_provider_torchdist.spark.outcome import Outcome
 from airflow_provider_torchdist.spark.owner import read_owner_token, write_channel_address
 from airflow_provider_torchdist.spark.rank_logs import rank_filter
@@ -55,25 +55,33 @@ def job_tag(run_id: str) -> str:
 
 
 class ConnectVerifier:
-    """Accepts each node once, on the host it connects from (the run's token proved in the hello)."""
+    """Accepts each of the run's ``nodes`` once, on the host it connects from (the run's token
+    proved in the hello). A second claim of a node is refused and stops the run: Spark retried a
+    task of the barrier stage (which cannot go on without it), or someone else holds the token."""
 
-    def __init__(self) -> None:
+    def __init__(self, nodes: int, on_conflict: Any = None) -> None:
+        self._count = nodes
+        self._on_conflict = on_conflict
         self._lock = threading.Lock()
-        self._nodes: set[int] = set()
+        self._nodes: dict[int, str] = {}
 
     def __call__(self, node: int, task_attempt: int, peer_ip: str) -> str:
+        if not 0 <= node < self._count:
+            raise HelloRefused(f"node {node} is not one of this run's {self._count} node(s)")
         with self._lock:
-            if node in self._nodes:
-                raise HelloRefused(f"node {node} is registered already")
-            self._nodes.add(node)
+            first = self._nodes.setdefault(node, peer_ip)
+            if first is not peer_ip:
+                conflict = (
+                    f"node {node} registered a second time (task attempt {task_attempt} from {peer_ip}; first "
+                    f"from {first}): Spark retried a barrier task, or someone else holds the run's token"
+                )
+            else:
+                conflict = None
+        if conflict is not None:
+            if self._on_conflict is not None:
+                self._on_conflict(conflict)
+            raise HelloRefused(conflict)
         return peer_ip
-
-
-def route_address(host: str) -> str:
-    """This machine's address on the route to ``host`` (UDP ``connect``: no packet is sent)."""
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as probe:
-        probe.connect((socket.gethostbyname(host), 9))
-        return probe.getsockname()[0]
 
 
 def channel_host(url: str, server_driver_host: str | None = None, configured: str | None = None) -> str:
@@ -82,11 +90,30 @@ def channel_host(url: str, server_driver_host: str | None = None, configured: st
     reach, so they likely reach this side of that route too); else on the route to the server."""
     if configured:
         return configured
-    for host in (server_driver_host, urlparse(url.replace("sc://", "http://", 1)).hostname):
+    server = server_host(url)
+    for host in (server_driver_host, server):
         if host:
             with contextlib.suppress(OSError):
                 return route_address(host)
-    return "127.0.0.1"
+    raise RuntimeError(
+        f"cannot tell which address of this machine the Connect server's executors reach (no route to "
+        f"{server_driver_host or server}): set the connection's extra channel-host"
+    )
+
+
+def server_host(url: str) -> str | None:
+    """The Connect server's host in ``sc://host:port/;...``."""
+    return urlparse(url.replace("sc://", "http://", 1)).hostname
+
+
+def redact_url(text: str, url: str) -> str:
+    """``text`` without the values of the URL's parameters (the token), as given or percent-encoded."""
+    for param in url.partition("/;")[2].split(";"):
+        value = param.partition("=")[2]
+        if len(value) >= 4:
+            for form in {value, unquote(value)}:
+                text = text.replace(form, "***")
+    return text
 
 
 def local_slots(master: str, task_cpus: int) -> int | None:
@@ -120,6 +147,7 @@ class SlotWatch:
 
     def _watch(self) -> None:
         start = time.monotonic()
+        next_say = start + 10
         while not self._done.wait(1.0):
             started = len(self._channel.started_nodes)
             if started >= self._needed:
@@ -129,12 +157,14 @@ class SlotWatch:
                 self.error = (
                     f"The barrier stage needs {self._needed} task slot(s) at once, and {started} of its tasks "
                     f"started within slot_timeout={self._timeout:.0f}s over Spark Connect: the cluster is too "
-                    "small or busy. Lower num_processes, raise nproc_per_node, or give the cluster more "
-                    "executors/cores."
+                    "small or busy, or its executors cannot reach the run channel on "
+                    f"{self._channel.address[0]}:{self._channel.address[1]} (the connection's extra channel-host "
+                    "sets it). Lower num_processes, raise nproc_per_node, or give the cluster more executors/cores."
                 )
                 self._cancel()
                 return
-            if int(waited) % 10 == 0:
+            if time.monotonic() >= next_say:
+                next_say += 10
                 self._channel.say(
                     f"waiting for {self._needed - started} of {self._needed} barrier task(s) to start: the "
                     "stage needs all its task slots at once"
@@ -150,12 +180,12 @@ def connect_node_task(
 
     from airflow_provider_torchdist.spark.barrier import barrier_task
 
-    # Read the task's input (its one row) to the end: only then does Spark keep this Python worker
-    # for the next job, torch imported and all, instead of starting a new one (about 1 s each run).
+    # Read the task's input (its one row) to the end, or Spark will not reuse this Python worker.
     for _ in rows:
         pass
+    environ = dict(os.environ)  # a reused worker must not hand this run's settings to the next task
 
-    directory = tempfile.mkdtemp(prefix="torchdist-connect-")  # 0700
+    directory = tempfile.mkdtemp(prefix=f"torchdist-connect-{os.getpid()}-")  # 0700
     try:
         path = os.path.join(directory, os.path.basename(spec.entry))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -169,6 +199,8 @@ def connect_node_task(
         import shutil
 
         shutil.rmtree(directory, ignore_errors=True)
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
@@ -181,16 +213,29 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
     tag = job_tag(spec.run_id)
     spark.addTag(tag)
 
-    def cancel() -> None:
+    def interrupt() -> None:
         with contextlib.suppress(Exception):  # the session may be gone already
             spark.interruptTag(tag)
 
+    def cancel(wait: float = 2.0) -> None:
+        # pyspark retries a call to a slow server with backoff: a kill must not wait for it past
+        # the hook's grace (5 s) before SIGKILL.
+        worker = threading.Thread(target=interrupt, daemon=True)
+        worker.start()
+        worker.join(wait)
+
+    def on_term(signum: int, frame: Any) -> None:
+        cancel()
+        signal.signal(signum, signal.SIG_DFL)  # then die of it at once, as an unhandled SIGTERM does
+        os.kill(os.getpid(), signum)
+
     # Ended by the hook (a kill, a timeout, a lost owner): the job on the executors ends too.
-    signal.signal(signal.SIGTERM, lambda signum, frame: (cancel(), sys.exit(128 + signum)))
+    signal.signal(signal.SIGTERM, on_term)
 
     owner_token = read_owner_token(staging)
     nproc = spec.nproc_per_node
     server_driver_host = None
+    conflicts: list[str] = []
     with contextlib.suppress(Exception):  # a server that hides its settings: the route to it
         server_driver_host = spark.conf.get("spark.driver.host", None)
     channel = RunChannel(
@@ -199,7 +244,9 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
         staging,
         cancel,
         ranks_of_node=lambda n: range(n * nproc, (n + 1) * nproc),
-        verify_node=ConnectVerifier(),
+        verify_node=ConnectVerifier(
+            spec.num_nodes, on_conflict=lambda text: (conflicts.append(text), cancel())
+        ),
         owner_token=owner_token,
         echo_stdout=owner_token is None,
         rank_filter=rank_filter(spec.log_ranks, staging),
@@ -211,15 +258,18 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
             write_channel_address(staging, channel.address)
             channel.say(
                 f"distributed mode over Spark Connect: {spec.num_nodes} Spark task(s) x "
-                f"{spec.nproc_per_node} process(es), server {urlparse(url.replace('sc://', 'http://', 1)).netloc}"
+                f"{spec.nproc_per_node} process(es), server {server_host(url)}, run channel on "
+                f"{channel.address[0]}:{channel.address[1]} (the executors must reach it)"
             )
             if channel.rank_filter:
                 channel.say(channel.rank_filter.announcement())
             with contextlib.suppress(Exception):  # the server's application, for the log and the links
                 if app_id := spark.conf.get("spark.app.id", None):
                     channel.application(app_id, None)
-            master = spark.conf.get("spark.master", "")
-            slots = local_slots(master, int(spark.conf.get("spark.task.cpus", "1") or 1))
+            master, task_cpus = "", "1"
+            with contextlib.suppress(Exception):  # a server that hides its settings: no local check
+                master, task_cpus = spark.conf.get("spark.master", ""), spark.conf.get("spark.task.cpus", "1")
+            slots = local_slots(master, int(task_cpus or 1))
             if slots is not None and slots < spec.num_nodes:
                 raise SlotsUnavailable(spec.num_nodes, slots, f"the Connect server's master {master}")
             entry = (staging / spec.entry).read_bytes()
@@ -233,7 +283,8 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
                 results = [row["result"] for row in rows]
             except Exception as exc:
                 # A rank's report is the story; Connect's is only the interruption.
-                error = watch.error or (None if channel.failures else first_line(exc))
+                error = watch.error or (conflicts[0] if conflicts else None)
+                error = error or (None if channel.failures else first_line(exc))
             emit("barrier_stage_done")
             emit("channel_close")
         emit("channel_closed")
@@ -245,7 +296,7 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
         ok=not channel.failures and error is None,
         failures=channel.failures,
         error=error,
-        hosts=[r["host"] for r in sorted((json.loads(x) for x in results), key=lambda r: r["node"])],
+        hosts=hosts_of(results),
         metrics=channel.metrics,
         world_sizes=[started(spec.num_processes)],
     )
@@ -264,15 +315,9 @@ def main(argv: list[str], environ: dict[str, str] | None = None) -> int:
         outcome = run_connect(spec, staging, url)
     except Exception as exc:
         outcome = Outcome(ok=False, error=f"{type(exc).__name__}: {first_line(exc)}")
-    outcome.write(staging)
-    if outcome.ok:
-        print("[torchdist] training finished on all ranks", flush=True)
-        return 0
-    for failure in outcome.failures:
-        print(f"[torchdist] {failure.summary()}", flush=True)
-    if outcome.error:
-        print(f"[torchdist] {outcome.error}", flush=True)
-    return 1
+    if outcome.error:  # pyspark may quote the URL (and so the token) in its errors
+        outcome = dataclasses.replace(outcome, error=redact_url(outcome.error, url))
+    return finish(outcome, staging)
 
 
 if __name__ == "__main__":

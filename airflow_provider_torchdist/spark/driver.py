@@ -164,7 +164,7 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
             ok=not failures and error is None,
             failures=failures,
             error=error,
-            hosts=_hosts(results),
+            hosts=hosts_of(results),
             metrics=channel.metrics,
             world_sizes=world_sizes,
         )
@@ -223,7 +223,8 @@ def _lost_executors(watch: ExecutorWatch, channel: RunChannel, spec: JobSpec, ex
     return message
 
 
-def _hosts(results: list[str]) -> list[str]:
+def hosts_of(results: list[str]) -> list[str]:
+    """The nodes' hosts, in node order, from the barrier tasks' results."""
     import json
 
     return [r["host"] for r in sorted((json.loads(x) for x in results), key=lambda r: r["node"])]
@@ -244,6 +245,11 @@ def main(argv: list[str]) -> int:
             outcome = run_elastic(spec, staging) if spec.elastic else run_distributed(spec, staging)
     except Exception as exc:
         outcome = Outcome(ok=False, error=f"{type(exc).__name__}: {exc}")
+    return finish(outcome, staging)
+
+
+def finish(outcome: Outcome, staging: Path) -> int:
+    """Write the outcome for the hook, say it, and return the exit code."""
     outcome.write(staging)
     if outcome.ok:
         print("[torchdist] training finished on all ranks", flush=True)

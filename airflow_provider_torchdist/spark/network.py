@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import socket
@@ -79,3 +80,10 @@ def is_loopback_name(host: str) -> bool:
     except OSError:
         return False
     return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def route_address(host: str) -> str:
+    """This machine's address on the route to ``host`` (a UDP ``connect``: no packet is sent)."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as probe:
+        probe.connect((socket.gethostbyname(host), 9))
+        return probe.getsockname()[0]

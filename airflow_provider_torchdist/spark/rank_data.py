@@ -81,7 +81,14 @@ def rank_shard() -> pa.Table:
     if path.name != MANIFEST:
         return _mapped(path)
     runs = json.loads(path.read_text())["ranks"][os.environ["RANK"]]
-    tables = [_mapped(path.parent / Path(name).name).slice(first, rows) for name, first, rows in runs]
+    tables = []
+    for name, first, rows in runs:
+        piece = _mapped(path.parent / Path(name).name)
+        if piece.num_rows < first + rows:
+            raise RuntimeError(
+                f"{name} holds {piece.num_rows} rows, fewer than the {first + rows} its manifest says"
+            )
+        tables.append(piece.slice(first, rows))
     return pa.concat_tables(tables)
 
 

@@ -42,8 +42,10 @@ def same_host(master: str) -> bool:
     return _SAME_HOST_MASTER.fullmatch(master.strip()) is not None
 
 
-def piece_name(partition: int) -> str:
-    return f"piece-{partition:06d}.arrow"
+def piece_name(partition: int, attempt: int = 0) -> str:
+    """A task attempt's file for its partition: per attempt, so that a speculative or zombie attempt
+    finishing late never replaces the file of the attempt whose count Spark returned."""
+    return f"piece-{partition:06d}-{attempt}.arrow"
 
 
 def write_pieces(df: Any, schema: Any, directory: Path) -> list[tuple[int, int, str]]:
@@ -59,7 +61,7 @@ def write_pieces(df: Any, schema: Any, directory: Path) -> list[tuple[int, int, 
 
         ctx = TaskContext.get()
         partition = ctx.partitionId()
-        name = piece_name(partition)
+        name = piece_name(partition, ctx.attemptNumber())
         # Per attempt, then renamed: a retried task never mixes its rows with a failed attempt's.
         partial = os.path.join(target, f".{name}.{ctx.attemptNumber()}")
         writer = ShardWriter(target, [], schema, files={partition: partial})

@@ -20,6 +20,7 @@ from airflow_provider_torchdist.spark.connect_driver import (
     job_tag,
     local_slots,
     main,
+    redact_url,
 )
 from airflow_provider_torchdist.submit_plan import Submission
 
@@ -107,11 +108,56 @@ def test_the_url_reaches_the_driver_in_its_environment_never_on_its_command_line
 
 
 def test_the_verifier_takes_each_node_once_on_the_host_it_connects_from() -> None:
-    verify = ConnectVerifier()
+    conflicts: list[str] = []
+    verify = ConnectVerifier(2, on_conflict=conflicts.append)
     assert verify(0, 11, "10.0.0.5") == "10.0.0.5"
     assert verify(1, 12, "10.0.0.6") == "10.0.0.6"
-    with pytest.raises(HelloRefused, match="node 0 is registered already"):
+    with pytest.raises(
+        HelloRefused, match="node 0 registered a second time .*from 10.0.0.7; first from 10.0.0.5"
+    ):
         verify(0, 13, "10.0.0.7")
+    assert len(conflicts) == 1 and "someone else holds the run's token" in conflicts[0]  # the run stops
+    with pytest.raises(HelloRefused, match="node 2 is not one of this run's 2 node"):
+        verify(2, 14, "10.0.0.8")
+    assert len(conflicts) == 1
+
+
+def test_the_token_is_taken_out_of_an_error_that_quotes_the_url() -> None:
+    url = "sc://h:15002/;token=ab%2Bc/d;use_ssl=true"
+    error = "INVALID_CONNECT_URL: The path component '/;token=ab%2Bc/d' ... token=ab+c/d"
+    redacted = redact_url(error, url)
+    assert "ab%2Bc/d" not in redacted and "ab+c/d" not in redacted and redacted.count("***") == 2
+    assert redact_url("nothing to hide", url) == "nothing to hide"
+
+
+@pytest.mark.parametrize(
+    "settings, train_object, message",
+    [
+        (
+            {"conf": {"spark.executor.memory": "2g"}},
+            None,
+            "conf cannot apply over the Spark Connect connection",
+        ),
+        ({"spark_submit_kwargs": {"executor_cores": 2}}, None, "spark_submit_kwargs cannot apply"),
+        ({}, "-m pkg.train", r"module mode \(train_object='-m ...'\) cannot run over"),
+    ],
+    ids=["conf", "spark_submit_kwargs", "module-mode"],
+)
+def test_settings_the_server_owns_and_module_mode_are_refused(
+    monkeypatch, listening, settings, train_object, message
+):
+    hook = _connect_hook(monkeypatch, listening, **settings)
+    with pytest.raises(InvalidTrainingConfig, match=message):
+        check_connect_run(hook.spec, hook.target, train_object)
+
+
+def test_a_token_with_a_slash_is_refused_without_showing_it(monkeypatch) -> None:
+    conn = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": 15002, "password": "se/cret"}
+    monkeypatch.setenv("AIRFLOW_CONN_SC", json.dumps(conn))
+    hook = TorchDistributorHook(conn_id="sc", num_processes=2)
+    with pytest.raises(InvalidTrainingConfig, match="does not make a valid sc://host:port URL") as info:
+        check_connect_run(hook.spec, hook.target)
+    assert "se/cret" not in str(info.value) and "cret" not in str(info.value)
 
 
 def test_the_channel_binds_on_the_route_to_the_server_and_the_job_has_the_runs_tag() -> None:
@@ -149,6 +195,8 @@ def test_a_local_server_master_says_its_slots(master, cpus, slots) -> None:
 
 
 class _Channel:
+    address = ("127.0.0.1", 4242)
+
     def __init__(self) -> None:
         self.started_nodes: set[int] = set()
         self.said: list[str] = []

@@ -133,9 +133,7 @@ def test_a_rank_maps_its_slices_of_the_pieces_through_the_manifest(tmp_path, as_
     assert shards[1].column("id").to_pylist() == list(range(10, 20))
     assert shards[1].schema == SCHEMA
     # Mapped, not read: every buffer lies in a mapping of a piece file, none in the rank's memory.
-    ranges = [
-        r for name in ("piece-000002.arrow", "piece-000003.arrow") for r in mapped_ranges(tmp_path / name)
-    ]
+    ranges = [r for name in (piece_name(2), piece_name(3)) for r in mapped_ranges(tmp_path / name)]
     for chunk in shards[1].column("id").chunks:
         address = chunk.buffers()[1].address
         assert any(a <= address < b for a, b in ranges)
