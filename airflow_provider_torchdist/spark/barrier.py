@@ -64,6 +64,7 @@ def barrier_task(
     _: Iterator[int],
     prepare: Callable[[], None] | None = None,
     entry_path: str | None = None,
+    on_driver_lost: Callable[[], None] | None = None,
 ) -> Iterator[str]:
     """Rendezvous with the other tasks, then run this node's ranks with torchrun's agent.
 
@@ -74,6 +75,8 @@ def barrier_task(
     waiting for collectives to time out. ``prepare`` runs first, as part of the node (its failure is
     the node's): a run with ``train_data`` writes the node's shards there. ``entry_path``: where the
     payload or script is on this node (default: the file spark-submit shipped, ``SparkFiles``).
+    ``on_driver_lost``: called if the driver's end of the channel closes while the node runs (over
+    Spark Connect the server's job outlives a dead driver; with spark-submit, the application does not).
     """
     from pyspark import BarrierTaskContext, SparkFiles
 
@@ -107,17 +110,21 @@ def barrier_task(
         if node != 0:
             master = client.wait_for_master(spec.rendezvous_timeout)
         emit("rendezvous_done", node=node)
-        failures = launch_node(
-            spec,
-            node_rank=node,
-            entry_path=entry_path or SparkFiles.get(spec.entry),
-            channel_address=channel_address,
-            host=host,
-            master=master,
-            task_cpus=ctx.cpus(),
-            output_dir=shared_output_dir(driver_output_dir) if node == 0 else None,
-            node_key=client.node_key,
-        )
+        stop_watching = client.watch_driver(on_driver_lost) if on_driver_lost else (lambda: None)
+        try:
+            failures = launch_node(
+                spec,
+                node_rank=node,
+                entry_path=entry_path or SparkFiles.get(spec.entry),
+                channel_address=channel_address,
+                host=host,
+                master=master,
+                task_cpus=ctx.cpus(),
+                output_dir=shared_output_dir(driver_output_dir) if node == 0 else None,
+                node_key=client.node_key,
+            )
+        finally:
+            stop_watching()
     except Exception as exc:
         failures = [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]
     if failures:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from airflow_provider_torchdist.spark.channel_auth import (
@@ -184,6 +186,26 @@ class ChannelClient:
     def output_in_place(self, name: str, **meta: Any) -> bool:
         """Tell the driver that the output is the file ``name`` written into its output directory."""
         return self.send(OutputFile(name, **meta))
+
+    def watch_driver(self, on_lost: Callable[[], None], every: float = 0.5) -> Callable[[], None]:
+        """Call ``on_lost`` (from a thread of its own) when the driver's end of this connection
+        closes while the node runs: the driver died. Returns the function that stops watching.
+
+        It polls for the peer's hang-up only (``POLLRDHUP``), never reads: a message the driver
+        sends stays in the socket for whoever reads it.
+        """
+        done = threading.Event()
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLRDHUP)
+
+        def watch() -> None:
+            while not done.is_set():
+                if poller.poll(every * 1000) and not done.is_set():
+                    on_lost()
+                    return
+
+        threading.Thread(target=watch, daemon=True, name="torchdist-driver-watch").start()
+        return done.set
 
     def close(self) -> None:
         self.send(Bye())

@@ -171,6 +171,25 @@ class SlotWatch:
                 )
 
 
+def end_this_node() -> None:
+    """The run's driver died (SIGKILLed, its machine lost) while the server's job goes on: end this
+    node's ranks (SIGTERM, 5 s, SIGKILL) and its Python worker, instead of training for nobody;
+    Spark then fails the task, and so the job."""
+    import signal
+
+    import psutil
+
+    ranks = psutil.Process().children(recursive=True)  # torchrun's workers and theirs
+    for proc in ranks:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(ranks, timeout=5)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    os.kill(os.getpid(), signal.SIGKILL)  # this worker too: its task has no driver to report to
+
+
 def connect_node_task(
     spec: JobSpec, channel_address: tuple[str, int], output_dir: str, entry: bytes, rows: Iterator[Any]
 ) -> Iterator[Any]:
@@ -193,7 +212,9 @@ def connect_node_task(
             f.write(entry)
         # Rank 0 writes its value in place when this client's staging directory is on its machine
         # too (a server beside this worker), else streams it over the channel.
-        for result in barrier_task(spec, channel_address, output_dir, iter(()), entry_path=path):
+        for result in barrier_task(
+            spec, channel_address, output_dir, iter(()), entry_path=path, on_driver_lost=end_this_node
+        ):
             yield pa.RecordBatch.from_pydict({"result": [result]})
     finally:
         import shutil

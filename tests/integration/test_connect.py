@@ -165,3 +165,41 @@ def test_a_stage_the_servers_local_master_cannot_fit_fails_before_any_task(conne
         TrainingFailed, match=r"needs 3 task slot\(s\) at once but the cluster has 2 .*local\[2\]"
     ):
         TorchDistributorHook(conn_id=connect_conn, num_processes=3).run(train_and_report, 1.0)
+
+
+def test_a_driver_killed_outright_leaves_nothing_training_on_the_executors(
+    connect_conn: str, tmp_path: Path
+) -> None:
+    """SIGKILL gives the Connect driver no chance to interrupt its job: the nodes notice that its end
+    of the run channel closed and stop their ranks themselves."""
+    import os
+    import signal
+
+    hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            hook.run(note_pids_and_sleep, str(tmp_path))
+        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
+            raised.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    files = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all(f.exists() and f.read_text() for f in files):
+        assert runner.is_alive() and time.monotonic() < deadline, f"the ranks never started: {raised}"
+        time.sleep(0.2)
+    pids = [pid for f in files for pid in json.loads(f.read_text())]
+    assert hook.submission is not None and hook.submission.session is not None
+    os.kill(hook.submission.session, signal.SIGKILL)  # the driver, no SIGTERM first
+    started = time.monotonic()
+    runner.join(60)
+    assert not runner.is_alive()
+    assert raised and isinstance(raised[0], SparkSubmitFailed)
+    while (
+        alive := [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    ) and (time.monotonic() - started < 30):
+        time.sleep(0.2)
+    assert not alive, f"still training on the executors after the driver's SIGKILL: {alive}"
