@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import os
 import re
 import signal
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.network import route_address
 from airflow_provider_torchdist.spark.outcome import Outcome
 from airflow_provider_torchdist.spark.owner import read_owner_token, write_channel_address
+from airflow_provider_torchdist.spark.private_files import write_private_text
 from airflow_provider_torchdist.spark.rank_logs import rank_filter
 from airflow_provider_torchdist.spark.slots import SlotsUnavailable
 from airflow_provider_torchdist.spark.spark_context import first_line
@@ -224,12 +227,61 @@ def connect_node_task(
         os.environ.update(environ)
 
 
-def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
-    """The barrier stage over a Connect session; returns the run's outcome."""
+def session_cache() -> Path:
+    """Where this user keeps the ids of the Connect sessions its runs share (one per server and token)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "airflow-provider-torchdist" / "connect-sessions"
+
+
+def with_session(url: str, session_id: str) -> str:
+    """``url`` with ``session_id`` among its parameters."""
+    return f"{url};session_id={session_id}" if "/;" in url else f"{url.rstrip('/')}/;session_id={session_id}"
+
+
+def shared_session_id(url: str, cache: Path, renew: bool = False) -> str:
+    """The session this user's runs against ``url`` share (a new one when ``renew`` or none yet).
+
+    Spark Connect keeps Python workers per session: runs that share one find the server's workers
+    up, torch imported, instead of starting them (about 1.4 s a run). The key covers the URL with
+    its token, so different credentials never share a session.
+    """
+    path = cache / hashlib.sha256(f"{os.getuid()}|{url}".encode()).hexdigest()[:32]
+    if not renew:
+        with contextlib.suppress(OSError, ValueError):
+            return str(uuid.UUID(path.read_text().strip(), version=4))
+    session_id = str(uuid.uuid4())
+    with contextlib.suppress(OSError):  # no cache: this run's session only
+        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_private_text(path, session_id)
+    return session_id
+
+
+def open_session(url: str) -> Any:
+    """A Connect session for the run: the one this user's runs share, or a new one when the server
+    closed it (idle too long) or the URL names a session of its own."""
     from pyspark.sql import SparkSession
 
+    if "session_id=" in url:
+        return SparkSession.builder.remote(url).create()
+    cache = session_cache()
+    spark = SparkSession.builder.remote(with_session(url, shared_session_id(url, cache))).create()
+    try:
+        spark.conf.get("spark.master")  # the server still has the session
+    except Exception as exc:
+        if "SESSION_CLOSED" not in str(exc) and "SESSION_CHANGED" not in str(exc):
+            raise
+        with contextlib.suppress(Exception):
+            spark.client.close()
+        spark = SparkSession.builder.remote(
+            with_session(url, shared_session_id(url, cache, renew=True))
+        ).create()
+    return spark
+
+
+def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
+    """The barrier stage over a Connect session; returns the run's outcome."""
     emit("spark_context_start")
-    spark = SparkSession.builder.remote(url).getOrCreate()
+    spark = open_session(url)
     emit("spark_context_up")
     tag = job_tag(spec.run_id)
     spark.addTag(tag)
@@ -312,7 +364,9 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
     finally:
         with contextlib.suppress(Exception):
             spark.removeTag(tag)
-            spark.stop()
+            # Close this client, but keep the session on the server for the next run (stop() would
+            # release it, and its Python workers with it).
+            spark.client.close()
     return Outcome(
         ok=not channel.failures and error is None,
         failures=channel.failures,

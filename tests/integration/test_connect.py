@@ -27,10 +27,16 @@ CONN_ID = "torchdist_connect"
 
 
 @pytest.fixture
-def connect_conn(connect_server: ConnectServer, monkeypatch: pytest.MonkeyPatch) -> str:  # noqa: F811
-    """A ``spark_connect`` connection (the Spark provider's type) to the session's server."""
+def connect_conn(
+    connect_server: ConnectServer,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> str:
+    """A ``spark_connect`` connection (the Spark provider's type) to the session's server; the
+    shared Connect sessions' ids in a cache of the tests' own."""
     conn = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": connect_server.port}
     monkeypatch.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", json.dumps(conn))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "connect-cache"))
     return CONN_ID
 
 
@@ -203,3 +209,44 @@ def test_a_driver_killed_outright_leaves_nothing_training_on_the_executors(
     ) and (time.monotonic() - started < 30):
         time.sleep(0.2)
     assert not alive, f"still training on the executors after the driver's SIGKILL: {alive}"
+
+
+def workers_and_leak() -> list[dict]:
+    """Each rank's agent (the task's Python worker) and whether an earlier run's rank_env reached it."""
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    mine = {"worker": os.getppid(), "leak": os.environ.get("TORCHDIST_TEST_LEAK")}
+    everyone: list[dict] = [{}] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    dist.destroy_process_group()
+    return everyone
+
+
+def test_runs_share_the_servers_session_and_workers_but_not_each_others_settings(connect_conn: str) -> None:
+    first = TorchDistributorHook(
+        conn_id=connect_conn, num_processes=2, rank_env={"TORCHDIST_TEST_LEAK": "first run"}
+    ).run(workers_and_leak)
+    second = TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(workers_and_leak)
+    assert [r["leak"] for r in first] == ["first run", "first run"]
+    assert [r["leak"] for r in second] == [None, None]  # the reused workers restored their environment
+    assert {r["worker"] for r in second} == {r["worker"] for r in first}  # the same Python workers
+
+
+def test_a_shared_session_the_server_closed_is_replaced(connect_conn: str) -> None:
+    from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
+    from pyspark.sql import SparkSession
+
+    from airflow_provider_torchdist.spark.connect_driver import session_cache, shared_session_id, with_session
+
+    TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(workers_and_leak)
+    url = SparkConnectHook(connect_conn).get_connection_url()  # the driver's URL, so its session's key
+    closed = shared_session_id(url, session_cache())
+    other = SparkSession.builder.remote(with_session(url, closed)).create()
+    other.conf.get("spark.master")  # the same session as the runs'
+    other.stop()  # released: its id is dead now
+    ranks = TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(workers_and_leak)
+    assert len(ranks) == 2
+    assert shared_session_id(url, session_cache()) != closed

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+import uuid
 
 import pytest
 
@@ -21,6 +22,8 @@ from airflow_provider_torchdist.spark.connect_driver import (
     local_slots,
     main,
     redact_url,
+    shared_session_id,
+    with_session,
 )
 from airflow_provider_torchdist.submit_plan import Submission
 
@@ -223,3 +226,29 @@ def test_the_slot_watch_leaves_a_stage_alone_once_every_task_started() -> None:
     with SlotWatch(channel, 2, 1.0, lambda: cancelled.append(True)) as watch:
         time.sleep(2.5)
     assert cancelled == [] and watch.error is None
+
+
+def test_runs_against_one_server_and_token_share_a_session_id_kept_private(tmp_path) -> None:
+    url = "sc://h:15002/;token=abc"
+    first = shared_session_id(url, tmp_path)
+    assert shared_session_id(url, tmp_path) == first  # the next run finds it
+    assert (
+        shared_session_id("sc://h:15002/;token=other", tmp_path) != first
+    )  # other credentials, other session
+    renewed = shared_session_id(url, tmp_path, renew=True)  # the server closed it
+    assert renewed != first and shared_session_id(url, tmp_path) == renewed
+    (stored,) = [p for p in tmp_path.iterdir() if p.read_text() == renewed]
+    assert stored.stat().st_mode & 0o777 == 0o600
+    assert "abc" not in stored.name
+
+
+def test_a_session_id_rides_in_the_urls_parameters() -> None:
+    sid = "0f8fad5b-d9cb-469f-a165-70867728950e"
+    assert with_session("sc://h:1", sid) == f"sc://h:1/;session_id={sid}"
+    assert with_session("sc://h:1/;token=t", sid) == f"sc://h:1/;token=t;session_id={sid}"
+
+
+def test_without_a_cache_a_run_still_gets_a_session(tmp_path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    assert str(uuid.UUID(shared_session_id("sc://h:1", blocked / "cache")))
