@@ -111,15 +111,15 @@ def _launch(sec: dict[str, Any]) -> list[str]:
     if "hook_connect" in sec["stats"]:
         lines += [
             "",
-            "Where `hook_connect`'s time goes (phase events of a run against the warm server, 4.7 s on a "
-            "quiet machine, 5.2 to 5.9 s in the interleaved rounds): starting Python and importing Airflow and "
-            "the hook, about 1.0 s; the Connect driver's start and its session, 0.4 s; from the job's "
-            "submission to the barrier tasks starting, 0.75 s, most of it a fresh Python worker (Spark "
-            "Connect isolates Python workers per session, and each run is a session of its own); importing "
-            "torch in the task, 0.85 s; the ranks' start, all-reduce and end, 0.9 s; the rest, 0.4 s. A "
-            "session shared across runs would keep the workers, torch imported (about 1.4 s less), but a "
-            "reused worker would also carry one run's environment into the next, and a server-closed "
-            "session's id cannot be reused: not done.",
+            "Where `hook_connect`'s time goes. Runs of one user against one server share a Connect "
+            "session, and Spark Connect keeps Python workers per session: back to back, a run takes 3.0 s "
+            "(phase events: Python, Airflow and the hook imported, 1.0 s; the Connect driver and its "
+            "session, 0.45 s; the job to the barrier tasks, 0.1 s, the workers up with torch imported; "
+            "the ranks' start, all-reduce and end, 1.0 s; the rest, 0.4 s). In these interleaved rounds "
+            "other variants run for about 45 s between two Connect runs, and Spark ends Python workers "
+            "idle for a minute, so some rounds start workers again (about 0.75 s, then 0.85 s to import "
+            "torch): hence 4.3 to 4.9 s here. Before the sessions were shared every run paid that, "
+            "1.49 x raw torchrun in the same kind of run.",
         ]
     return lines + [""]
 
