@@ -242,6 +242,10 @@ def build_plan(
     )
 
 
+#: What makes PySpark a Spark Connect client (``SparkSession.builder.remote`` sets the first in its
+#: own process): spark-submit's driver given one of these refuses to make a SparkContext.
+CONNECT_CLIENT_ENV = frozenset({"SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE"})
+
 SUBMISSION_MARKER = "TORCHDIST_SUBMISSION"
 """The environment variable that tells one :class:`Submission`'s spark-submit from another's."""
 
@@ -289,7 +293,11 @@ class Submission:
             emit("spark_submit_start")
             # The environment goes to Popen (submit's keywords), not as env_vars: on YARN and
             # Kubernetes the provider would also turn env_vars into --conf pairs on the command line.
-            env = {**os.environ, **self.plan.env, SUBMISSION_MARKER: marker}
+            env = {
+                key: value
+                for key, value in {**os.environ, **self.plan.env, SUBMISSION_MARKER: marker}.items()
+                if key not in CONNECT_CLIENT_ENV
+            }
             self._hook.submit(
                 self.plan.application, start_new_session=True, stdin=subprocess.DEVNULL, env=env
             )

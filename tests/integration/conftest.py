@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+from tests.integration.connect_server import connect_server  # noqa: F401 (one Connect server per session)
 from tests.integration.deployment import Deployment, dag_folder, running_deployment
 
 pytestmark = pytest.mark.integration

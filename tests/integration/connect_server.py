@@ -4,11 +4,8 @@
 ``start_connect_server`` returns once the server's gRPC port accepts a TCP connection;
 ``ConnectServer.stop`` ends the server's whole session (the JVM, Spark's Python daemon and its
 workers) with :func:`airflow_provider_torchdist.processes.end_session` and fails if any of it is
-left. The ``connect_server`` fixture shares one server across the test session; a test module
-uses it by importing it::
-
-    from tests.integration.connect_server import connect_server  # noqa: F401
-
+left. The ``connect_server`` fixture (registered in ``conftest.py``, so one server for the whole
+test session) serves every test that asks for it::
 
     def test_something(connect_server):
         spark = SparkSession.builder.remote(connect_server.url).getOrCreate()

@@ -18,7 +18,7 @@ import torch
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
-from tests.integration.connect_server import ConnectServer, connect_server  # noqa: F401
+from tests.integration.connect_server import ConnectServer
 from tests.integration.test_training import SCRIPT, fail_on_rank_one, lightning_train, train_and_report
 
 pytestmark = pytest.mark.integration
@@ -28,7 +28,7 @@ CONN_ID = "torchdist_connect"
 
 @pytest.fixture
 def connect_conn(
-    connect_server: ConnectServer,  # noqa: F811
+    connect_server: ConnectServer,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> str:
@@ -235,7 +235,9 @@ def test_runs_share_the_servers_session_and_workers_but_not_each_others_settings
     assert {r["worker"] for r in second} == {r["worker"] for r in first}  # the same Python workers
 
 
-def test_a_shared_session_the_server_closed_is_replaced(connect_conn: str) -> None:
+def test_a_shared_session_the_server_closed_is_replaced(
+    connect_conn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
     from pyspark.sql import SparkSession
 
@@ -244,6 +246,7 @@ def test_a_shared_session_the_server_closed_is_replaced(connect_conn: str) -> No
     TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(workers_and_leak)
     url = SparkConnectHook(connect_conn).get_connection_url()  # the driver's URL, so its session's key
     closed = shared_session_id(url, session_cache())
+    monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")  # remote() sets it here: taken back afterwards
     other = SparkSession.builder.remote(with_session(url, closed)).create()
     other.conf.get("spark.master")  # the same session as the runs'
     other.stop()  # released: its id is dead now

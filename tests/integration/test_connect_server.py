@@ -13,7 +13,7 @@ import pytest
 from pyspark.errors import PySparkException
 from pyspark.sql import SparkSession
 
-from tests.integration.connect_server import ConnectServer, connect_server  # noqa: F401
+from tests.integration.connect_server import ConnectServer
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,12 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_barrier_job_and_interrupt_tag(connect_server: ConnectServer, tmp_path: Path) -> None:  # noqa: F811
+def test_barrier_job_and_interrupt_tag(
+    connect_server: ConnectServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # remote() marks this process a Connect client (SPARK_CONNECT_MODE_ENABLED): taken back afterwards,
+    # or every later test's spark-submit would inherit it.
+    monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")
     spark = SparkSession.builder.remote(connect_server.url).getOrCreate()
     try:
         # Both tasks of a barrier stage run at once: each reaches the barrier.

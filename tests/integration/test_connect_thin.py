@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.connect_server import ConnectServer, connect_server  # noqa: F401
+from tests.integration.connect_server import ConnectServer
 from tests.integration.test_dags import xcom
 
 pytestmark = pytest.mark.integration
@@ -62,7 +62,7 @@ def airflow(env: dict[str, str], *args: str, timeout: float = 300) -> str:
 
 
 def test_a_dag_trains_over_connect_from_a_worker_without_pyspark_java_or_torch(
-    connect_server: ConnectServer,  # noqa: F811
+    connect_server: ConnectServer,
     tmp_path: Path,
 ) -> None:
     subprocess.run(["bash", str(ROOT / "scripts" / "thin-worker-env")], cwd=ROOT, check=True)

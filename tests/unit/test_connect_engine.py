@@ -252,3 +252,15 @@ def test_without_a_cache_a_run_still_gets_a_session(tmp_path) -> None:
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
     assert str(uuid.UUID(shared_session_id("sc://h:1", blocked / "cache")))
+
+
+def test_spark_submit_never_inherits_a_connect_clients_environment(fake_spark, monkeypatch, tmp_path) -> None:
+    """``SparkSession.builder.remote`` marks its process a Connect client; a spark-submit driver
+    inheriting that refuses to make a SparkContext."""
+    monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")
+    monkeypatch.setenv("SPARK_REMOTE", "sc://elsewhere:15002")
+    hook = TorchDistributorHook(num_processes=2, staging_dir=str(tmp_path))
+    assert hook.run(lambda: 7) == 7
+    env = fake_spark.kwargs["env"]
+    assert not {"SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE"} & env.keys()
+    assert env["PATH"]  # the rest of the environment is there
