@@ -10,10 +10,13 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -21,6 +24,7 @@ import pytest
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import TrainingFailed
 from airflow_provider_torchdist.spark.data_shards import ROUTE_CONF
+from airflow_provider_torchdist.spark.shard_files import new_node_directory, remove_directory
 
 pytestmark = pytest.mark.integration
 
@@ -88,7 +92,7 @@ def three_mb_of_parquet(tmp_path: Path) -> Path:
 
 
 def test_a_node_that_cannot_write_its_shard_fails_the_run_naming_it(
-    tmp_path: Path, small_tmp: Path, no_leftovers: None
+    tmp_path: Path, small_tmp: Path, no_leftovers: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The shuffle's route (a cluster's; forced here): each node writes its ranks' files itself."""
     data = three_mb_of_parquet(tmp_path)
@@ -107,7 +111,23 @@ def test_a_node_that_cannot_write_its_shard_fails_the_run_naming_it(
     assert "cannot write this node's train_data shard into" in message
     assert "No space left on device" in message
     assert not marker.exists()
-    assert list(small_tmp.iterdir()) == []  # the partial shards are gone
+    # The partial shards are gone. A node removes its directory as its task ends; one that the
+    # stage's cancellation killed first cannot, and the next node on this host removes a dead
+    # task's directory (new_node_directory), as after any crash: that is what runs here then.
+    deadline = time.monotonic() + 20
+    while (left := list(small_tmp.iterdir())) and time.monotonic() < deadline:
+        if all(not _alive(int(path.name.split("-")[2])) for path in left):
+            monkeypatch.setattr(tempfile, "tempdir", str(small_tmp))
+            remove_directory(new_node_directory())
+        time.sleep(0.2)
+    assert list(small_tmp.iterdir()) == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 @pytest.mark.parametrize("local_mode", [False, True], ids=["distributed", "local"])
