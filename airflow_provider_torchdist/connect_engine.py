@@ -10,6 +10,7 @@ unchanged, and the follower, the outcome file and the kill by session work as fo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -78,6 +79,36 @@ def check_connect_run(
             f"so nothing was started. Check that the server is running and that the connection "
             f"{spec.conn_id!r} names its host and port (sc://host:15002), reachable from this worker."
         ) from None
+
+
+def interrupt_lost_operation(url: str, session_id: str, run_id: str) -> list[str]:
+    """Interrupt, on the Connect server at ``url``, the job of run ``run_id`` whose driver is gone
+    (its supervisor lost with its machine, or SIGKILLed), in the session ``session_id`` its record
+    holds. Returns the ids of the operations interrupted (none: it had ended).
+
+    It interrupts by the run's tag (:func:`.spark.connect_driver.job_tag`), not by the recorded
+    operation id alone: a record is data anyone who can write the task's state could change, and
+    the tag limits what it can reach to this run's own jobs.
+
+    A driver that dies leaves its job to the server: the nodes end their ranks when they notice
+    (the run channel closes), and the server ends a job nobody reattaches to after its
+    ``spark.connect.execute.manager.detachedTimeout``; until then, a job still waiting for its task
+    slots, or whose nodes cannot tell the driver is gone (a frozen machine), would hold the cluster.
+    """
+    from pyspark.sql import SparkSession
+
+    from airflow_provider_torchdist.spark.connect_driver import job_tag, with_session
+
+    spark = SparkSession.builder.remote(with_session(url, session_id)).create()
+    try:
+        return list(spark.interruptTag(job_tag(run_id)))
+    except Exception as exc:
+        if "SESSION_CLOSED" in str(exc) or "SESSION_CHANGED" in str(exc):
+            return []  # the server ended the session, and its jobs with it
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            spark.client.close()  # not stop(): the session is shared with this user's other runs
 
 
 def submission_for(plan: SubmitPlan) -> Submission | ConnectSubmission:

@@ -29,7 +29,7 @@ def submit_and_follow(
     staged: StagedRun,
     *,
     on_line: Callable[[str], None],
-    on_application: Callable[[str, str | None], None],
+    on_application: Callable[[str, str | None, str | None], None],
     on_metric: Callable[[dict[str, Any]], None] = lambda record: None,
 ) -> tuple[Outcome | None, AirflowException | None]:
     """Run spark-submit to its end, following the driver (its lines, application and each

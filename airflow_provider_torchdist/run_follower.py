@@ -37,7 +37,7 @@ class RunFollower:
         owner_token: str,
         *,
         on_line: Callable[[str], None],
-        on_application: Callable[[str, str | None], None],
+        on_application: Callable[[str, str | None, str | None], None],
         on_metric: Callable[[dict[str, Any]], None],
     ) -> None:
         self._dir = staging_dir
@@ -71,7 +71,7 @@ class RunFollower:
             if isinstance(event, LogLine):
                 self._on_line(event.text)
             elif isinstance(event, Application):
-                self._on_application(event.app_id, event.ui_url)
+                self._on_application(event.app_id, event.ui_url, event.operation)
             elif isinstance(event, Metric):
                 self._on_metric(event.record)
 

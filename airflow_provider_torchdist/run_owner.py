@@ -175,7 +175,7 @@ def follow_to_end(
     run_id: str,
     *,
     on_line: Callable[[str], None],
-    on_application: Callable[[str, str | None], None],
+    on_application: Callable[[str, str | None, str | None], None],
     on_metric: Callable[[dict[str, Any]], None] = lambda record: None,
 ) -> RunStatus:
     """Read the run's events as its owner until it ends: its log lines to ``on_line``, its
@@ -186,7 +186,7 @@ def follow_to_end(
         if isinstance(event, LineEvent):
             on_line(event.text)
         elif isinstance(event, AppEvent):
-            on_application(event.app_id, event.ui_url)
+            on_application(event.app_id, event.ui_url, event.operation)
         elif isinstance(event, MetricEvent):
             on_metric(event.record)
         elif isinstance(event, DoneEvent):

@@ -2,7 +2,8 @@
 
 A durable or deferred run outlives the task process that started it. What a later owner (a retry,
 a trigger, ``execute_complete``) needs to find it goes in the record: the run id and the address of
-its supervisor. No secret does: the owner's credential is derived from the run id with the
+its supervisor; over Spark Connect, once its job runs, also the Connect session and operation ids,
+with which a retry that finds the supervisor gone interrupts the job it left on the server. No secret does: the owner's credential is derived from the run id with the
 deployment's output signing key (:func:`owner_secret`), which every worker and triggerer of the
 deployment holds already, so the record, trigger kwargs and the state store hold nothing to steal.
 """
@@ -11,14 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from airflow_provider_torchdist import __version__
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
+from airflow_provider_torchdist.spark.protocol import connect_operation, split_operation
 
 RECORD_KEY = "torchdist_run"
 RECORD_VERSION = 1
+#: Set only for a Spark Connect run whose job has started (absent from records of earlier releases).
+CONNECT_FIELDS = frozenset({"connect_session_id", "connect_operation_id"})
 
 
 @dataclass(frozen=True)
@@ -32,15 +36,31 @@ class RunRecord:
     reattach_timeout: float
     version: int = RECORD_VERSION
     provider_version: str = __version__
+    connect_session_id: str | None = None
+    connect_operation_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def with_operation(self, operation: str) -> RunRecord:
+        """This record with the run's Spark Connect operation (``<session id>/<operation id>``)."""
+        ids = split_operation(operation)
+        if ids is None:
+            raise ValueError(f"{operation!r} is not a Spark Connect operation")
+        return replace(self, connect_session_id=ids[0], connect_operation_id=ids[1])
+
+    @property
+    def connect_operation(self) -> str | None:
+        """The run's Spark Connect operation as :func:`with_operation` took it, or None."""
+        if self.connect_session_id is None or self.connect_operation_id is None:
+            return None
+        return connect_operation(self.connect_session_id, self.connect_operation_id)
 
     @classmethod
     def from_dict(cls, data: Any) -> RunRecord:
         """A record as :meth:`to_dict` stored it; refused, saying why, when it is not one of ours."""
         names = {f.name for f in fields(cls)}
-        if not isinstance(data, dict) or not names <= set(data):
+        if not isinstance(data, dict) or not names - CONNECT_FIELDS <= set(data):
             raise InvalidTrainingConfig(
                 f"The task's stored run record {data!r} is not one this provider wrote (fields {sorted(names)} "
                 "expected). Clear the task's state (task_state_store key 'torchdist_run') to start afresh."
@@ -52,13 +72,15 @@ class RunRecord:
                 f"(record version {RECORD_VERSION}), which cannot reattach to it. Clear the task's state "
                 "(task_state_store key 'torchdist_run'), or finish the run with the version that started it."
             )
-        record = cls(**{name: data[name] for name in names})
+        record = cls(**{name: data[name] for name in names if name in data})
         checks = (
             isinstance(record.run_id, str) and record.run_id,
             isinstance(record.host, str) and record.host,
             type(record.port) is int and 0 < record.port < 65536,
             type(record.durable) is bool,
             type(record.reattach_timeout) in (int, float) and record.reattach_timeout > 0,
+            (record.connect_session_id, record.connect_operation_id) == (None, None)
+            or split_operation(f"{record.connect_session_id}/{record.connect_operation_id}") is not None,
         )
         if not all(checks):
             raise InvalidTrainingConfig(f"The task's stored run record {data!r} is malformed; clear it.")

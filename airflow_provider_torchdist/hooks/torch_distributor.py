@@ -22,7 +22,11 @@ from typing import Any, TypeVar
 
 from airflow.providers.common.compat.sdk import BaseHook
 
-from airflow_provider_torchdist.connect_engine import ConnectSubmission, submission_for
+from airflow_provider_torchdist.connect_engine import (
+    ConnectSubmission,
+    interrupt_lost_operation,
+    submission_for,
+)
 from airflow_provider_torchdist.connection import CONN_TYPE, SparkTarget, resolve_target
 from airflow_provider_torchdist.fast_start import FastStart
 from airflow_provider_torchdist.hook_arguments import HOOK_SETTINGS, hook_signature, spec_from_arguments
@@ -102,6 +106,9 @@ class TorchDistributorHook(BaseHook):
         #: pushes them to XCom for the extra links.
         self.on_application: Callable[[ApplicationLinks], None] | None = None
         self.application_id: str | None = None
+        #: Called once with a Spark Connect run's operation (``<session id>/<operation id>``) when
+        #: its job runs; the operator adds it to the run's record.
+        self.on_operation: Callable[[str], None] | None = None
         #: What the last run's training code reported with ``report()``, in order; it grows while
         #: the run trains.
         self.metrics: list[dict[str, Any]] = []
@@ -224,6 +231,25 @@ class TorchDistributorHook(BaseHook):
             raise
         return record
 
+    def end_lost_run(self, record: RunRecord) -> None:
+        """A run whose supervisor is gone: interrupt the job it left on a Spark Connect server (the
+        operation in its record), so that nothing of it holds the cluster while a retry starts afresh."""
+        operation = record.connect_operation
+        if operation is None or not self.target.is_connect:
+            return
+        assert record.connect_session_id is not None
+        interrupted = interrupt_lost_operation(
+            self.target.connect_url or "", record.connect_session_id, record.run_id
+        )
+        self.log.warning(
+            "Run %s's supervisor is gone; its Spark Connect job (operation %s) %s.",
+            record.run_id,
+            operation,
+            "was interrupted"
+            if record.connect_operation_id in interrupted
+            else f"had ended already (interrupted: {interrupted or 'none'})",
+        )
+
     def detach(self) -> None:
         """Leave the run on purpose (before deferring): it waits ``reattach_timeout`` for its next owner."""
         owner, self._owner = self._owner, None
@@ -288,11 +314,14 @@ class TorchDistributorHook(BaseHook):
             self.metrics, self.world_sizes = outcome.metrics, outcome.world_sizes
         raise_for_outcome(outcome, submit_error, staged)
 
-    def _application_started(self, app_id: str, ui_url: str | None) -> None:
-        """The driver's SparkContext is up: note it, and tell the operator (the extra links)."""
+    def _application_started(self, app_id: str, ui_url: str | None, operation: str | None = None) -> None:
+        """The driver's SparkContext is up (over Connect: the run's job runs): note it, and tell the
+        operator (the extra links, and the Connect operation for the run's record)."""
         if self.application_id is not None:
             return
         self.application_id = app_id
+        if operation and self.on_operation:
+            self.on_operation(operation)
         if self.on_application:
             self.on_application(
                 ApplicationLinks.of(

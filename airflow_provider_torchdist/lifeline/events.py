@@ -17,6 +17,7 @@ from airflow_provider_torchdist.lifeline.messages import (
     _require,
 )
 from airflow_provider_torchdist.lifeline.status import RunStatus, _valid_output
+from airflow_provider_torchdist.spark.protocol import split_operation
 
 # -- events, as an owner gets them ------------------------------------------------------------------
 
@@ -35,6 +36,8 @@ class AppEvent:
 
     app_id: str
     ui_url: str | None
+    #: Over Spark Connect, the run's operation: ``<session id>/<operation id>``.
+    operation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -88,12 +91,16 @@ def parse_server_message(msg: dict[str, Any]) -> Event | _Ping | _Closing | _Out
         _require(_is_int(msg["seq"]) and msg["seq"] >= 1 and isinstance(msg["text"], str), "malformed 'line'")
         return LineEvent(msg["seq"], msg["text"])
     if kind == "app":
-        _exact_keys(msg, {"k", "app_id", "ui_url"}, "malformed 'app' message")
+        _exact_keys(msg, {"k", "app_id", "ui_url"}, "malformed 'app' message", optional={"operation"})
+        operation = msg.get("operation")
         _require(
-            isinstance(msg["app_id"], str) and bool(msg["app_id"]) and _opt_str(msg["ui_url"]),
+            isinstance(msg["app_id"], str)
+            and bool(msg["app_id"])
+            and _opt_str(msg["ui_url"])
+            and (operation is None or split_operation(operation) is not None),
             "malformed 'app'",
         )
-        return AppEvent(msg["app_id"], msg["ui_url"])
+        return AppEvent(msg["app_id"], msg["ui_url"], operation)
     if kind == "metric":
         _exact_keys(msg, {"k", "m"}, "malformed 'metric' message")
         _require(isinstance(msg["m"], dict), "malformed 'metric'")

@@ -90,7 +90,7 @@ class RunState:
         self._lines: deque[tuple[int, bytes]] = deque(maxlen=replay_lines)
         self._seq = 0
         self._state = "starting"
-        self._app: tuple[str, str | None] | None = None
+        self._app: tuple[str, str | None, str | None] | None = None
         self._error: str | None = None
         self._error_kind: str | None = None
         self._failures: list[dict[str, Any]] = []
@@ -114,10 +114,10 @@ class RunState:
             self._publish(data)
             return self._seq
 
-    def set_application(self, app_id: str, ui_url: str | None) -> None:
+    def set_application(self, app_id: str, ui_url: str | None, operation: str | None = None) -> None:
         with self._lock:
-            self._app = (app_id, ui_url)
-            self._publish(encode({"k": "app", "app_id": app_id, "ui_url": ui_url}))
+            self._app = (app_id, ui_url, operation)
+            self._publish(self._app_message())
 
     def add_metric(self, record: dict[str, Any]) -> None:
         with self._lock:
@@ -188,7 +188,7 @@ class RunState:
         with self._lock:
             sub = _Subscription(self._queue_limit)
             if self._app is not None:
-                sub.offer(encode({"k": "app", "app_id": self._app[0], "ui_url": self._app[1]}))
+                sub.offer(self._app_message())
             for seq, data in self._lines:
                 if seq > since:
                     sub.offer(data)
@@ -207,13 +207,21 @@ class RunState:
         for sub in self._subscribers:
             sub.offer(data)
 
+    def _app_message(self) -> bytes:
+        assert self._app is not None
+        app_id, ui_url, operation = self._app
+        message = {"k": "app", "app_id": app_id, "ui_url": ui_url}
+        # Sent only when there is one: an owner of an earlier release knows no such key.
+        return encode({**message, "operation": operation} if operation else message)
+
     def _status(self) -> RunStatus:
-        app_id, ui_url = self._app or (None, None)
+        app_id, ui_url, operation = self._app or (None, None, None)
         until = self._ended if self._ended is not None else self._clock()
         return RunStatus(
             state=self._state,
             app_id=app_id,
             ui_url=ui_url,
+            operation=operation,
             error=self._error,
             error_kind=self._error_kind,
             failures=list(self._failures),

@@ -21,6 +21,7 @@ from airflow_provider_torchdist.lifeline.messages import (
 )
 from airflow_provider_torchdist.spark.outcome import RankFailure
 from airflow_provider_torchdist.spark.output_store import FORMATS
+from airflow_provider_torchdist.spark.protocol import split_operation
 from airflow_provider_torchdist.validation import MAX_NUM_PROCESSES
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -86,11 +87,13 @@ class RunStatus:
     ``metrics`` is the ``report()`` history so far (the newest records that fit), live while the run
     trains. ``elapsed_s`` is how long the run has gone on since its supervisor started: its duration
     once it has ended. ``world_sizes`` is how the world size went over the run (``{"time",
-    "world_size", "reason"}`` entries, the newest that fit), known once it has ended."""
+    "world_size", "reason"}`` entries, the newest that fit), known once it has ended. ``operation``
+    is a Spark Connect run's ``<session id>/<operation id>`` once its job runs."""
 
     state: str
     app_id: str | None = None
     ui_url: str | None = None
+    operation: str | None = None
     error: str | None = None
     error_kind: str | None = None
     failures: list[dict[str, Any]] = field(default_factory=list)
@@ -105,8 +108,11 @@ class RunStatus:
         return self.state in ENDED_STATES
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-native (a ``TriggerEvent`` payload, a message)."""
+        """JSON-native (a ``TriggerEvent`` payload, a message); ``operation`` only when there is one,
+        which an owner of an earlier release would not know."""
+        operation = {"operation": self.operation} if self.operation else {}
         return {
+            **operation,
             "state": self.state,
             "app_id": self.app_id,
             "ui_url": self.ui_url,
@@ -126,7 +132,7 @@ class RunStatus:
         _require(isinstance(data, dict), f"a status must be an object, got {type(data).__name__}")
         # A supervisor of an earlier release (a run started before an upgrade) sends no elapsed_s
         # (nor world_sizes).
-        data = {"elapsed_s": 0.0, "world_sizes": [], **data}
+        data = {"elapsed_s": 0.0, "world_sizes": [], "operation": None, **data}
         _exact_keys(data, {f.name for f in dataclasses.fields(cls)}, "malformed status")
         problems = [
             name
@@ -134,6 +140,7 @@ class RunStatus:
                 ("state", data["state"] in STATES),
                 ("app_id", data["app_id"] is None or (isinstance(data["app_id"], str) and data["app_id"])),
                 ("ui_url", _opt_str(data["ui_url"])),
+                ("operation", data["operation"] is None or split_operation(data["operation"]) is not None),
                 ("error", _opt_str(data["error"])),
                 ("error_kind", data["error_kind"] in ERROR_KINDS),
                 (

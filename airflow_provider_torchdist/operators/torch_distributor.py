@@ -25,6 +25,7 @@ from airflow_provider_torchdist.outlet_events import run_extra, set_outlet_extra
 from airflow_provider_torchdist.preflight import check_output_path
 from airflow_provider_torchdist.run_owner import (
     ACTIVE_STATES,
+    GONE,
     check_deferral,
     end_run,
     run_state,
@@ -236,6 +237,8 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
             self.log.info(
                 "Reattaching to run %s at %s:%s (%s).", record.run_id, record.host, record.port, state
             )
+        elif state == GONE:
+            self._end_lost_run(record)
         return state
 
     def is_job_active(self, status: str) -> bool:
@@ -289,8 +292,19 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
                     end_run(record)
                 except Exception as exc:  # the lifeline is what failed: say so, raise the trigger's error
                     self.log.warning("Could not stop run %s: %s", record.run_id, exc)
+            else:
+                self._end_lost_run(record)
             raise SparkSubmitFailed(f"Waiting for the training run failed: {event.get('message') or state}")
         return self._follow(record, context)
+
+    def _end_lost_run(self, record: RunRecord) -> None:
+        assert self._hook is not None
+        try:
+            self._hook.end_lost_run(record)
+        except Exception as exc:  # what the task does next says its own error
+            self.log.warning(
+                "Could not interrupt the Spark Connect job of lost run %s: %s", record.run_id, exc
+            )
 
     # -- owning the run ---------------------------------------------------------------------------
 
@@ -306,6 +320,11 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         assert hook is not None
         ti = context["ti"]
         hook.on_application = link_pusher(ti)
+        if (store := context.get("task_state_store")) is not None:
+            # A Connect run's operation, for a retry that finds the supervisor gone (end_lost_run).
+            hook.on_operation = lambda operation: store.set(
+                self.external_id_key, record.with_operation(operation).to_dict()
+            )
         metrics = metrics_pusher(ti)
         hook.on_metrics = metrics.offer
         followed = False

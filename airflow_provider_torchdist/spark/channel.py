@@ -182,10 +182,12 @@ class RunChannel:
         """A line of the driver's own in the task log: ``[torchdist] text``."""
         self._log(f"[torchdist] {text}")
 
-    def application(self, app_id: str, ui_url: str | None) -> None:
-        """The Spark application and its UI: the application line (always printed), and an owner event."""
-        line = escape_controls(f"[torchdist] application {app_id} spark-ui {ui_url or '-'}")
-        self.owners.publish(wire.Application(app_id, ui_url))
+    def application(self, app_id: str, ui_url: str | None, operation: str | None = None) -> None:
+        """The Spark application and its UI (and over Spark Connect, the run's operation): the
+        application line (always printed), and an owner event."""
+        line = f"[torchdist] application {app_id} spark-ui {ui_url or '-'}"
+        line = escape_controls(f"{line} connect-operation {operation}" if operation else line)
+        self.owners.publish(wire.Application(app_id, ui_url, operation))
         self._log(line)
 
     def agents_failed(self, failures: list[RankFailure]) -> None:

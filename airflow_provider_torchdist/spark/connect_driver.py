@@ -42,6 +42,7 @@ from airflow_provider_torchdist.spark.network import route_address
 from airflow_provider_torchdist.spark.outcome import Outcome
 from airflow_provider_torchdist.spark.owner import read_owner_token, write_channel_address
 from airflow_provider_torchdist.spark.private_files import write_private_text
+from airflow_provider_torchdist.spark.protocol import connect_operation
 from airflow_provider_torchdist.spark.rank_logs import rank_filter
 from airflow_provider_torchdist.spark.slots import SlotsUnavailable
 from airflow_provider_torchdist.spark.spark_context import first_line
@@ -72,14 +73,15 @@ class ConnectVerifier:
         if not 0 <= node < self._count:
             raise HelloRefused(f"node {node} is not one of this run's {self._count} node(s)")
         with self._lock:
-            first = self._nodes.setdefault(node, peer_ip)
-            if first is not peer_ip:
+            first = self._nodes.get(node)
+            if first is None:
+                self._nodes[node] = peer_ip
+                conflict = None
+            else:
                 conflict = (
                     f"node {node} registered a second time (task attempt {task_attempt} from {peer_ip}; first "
                     f"from {first}): Spark retried a barrier task, or someone else holds the run's token"
                 )
-            else:
-                conflict = None
         if conflict is not None:
             if self._on_conflict is not None:
                 self._on_conflict(conflict)
@@ -172,6 +174,55 @@ class SlotWatch:
                     f"waiting for {self._needed - started} of {self._needed} barrier task(s) to start: the "
                     "stage needs all its task slots at once"
                 )
+
+
+#: What a Connect server takes in one gRPC message by default (``spark.connect.grpc.maxInboundMessageSize``).
+DEFAULT_MAX_MESSAGE = 128 * 1024 * 1024
+#: Room in the job's plan for what is not the payload (the pickled task function, the spec).
+PLAN_ROOM = 1024 * 1024
+
+
+def check_payload_size(size: int, spark: Any) -> None:
+    """Refuse, before the job goes, a payload the server would refuse as a gRPC message too large.
+
+    The payload travels inside the job's plan (never as a file on a shared path), and the server
+    takes a plan of at most ``spark.connect.grpc.maxInboundMessageSize`` bytes."""
+    limit = DEFAULT_MAX_MESSAGE
+    with contextlib.suppress(Exception):  # a server that hides its settings: the default
+        limit = int(spark.conf.get("spark.connect.grpc.maxInboundMessageSize", str(DEFAULT_MAX_MESSAGE)))
+    if size + PLAN_ROOM > limit:
+        raise ValueError(
+            f"the training payload (the pickled callable with its args and kwargs, or the script) is "
+            f"{size / 2**20:.1f} MiB, and a Spark Connect job carries it in its plan, which this server takes "
+            f"up to {limit / 2**20:.0f} MiB (spark.connect.grpc.maxInboundMessageSize). Pass large data by "
+            "path instead (a file or train_data the executors read), or raise that setting on the server."
+        )
+
+
+class OperationAnnouncer:
+    """Tells the run's owners its application and, once Spark Connect names it (its first progress
+    report, about 2 s into the job), its operation: ``<session id>/<operation id>``, for the run's
+    record. Registered with ``SparkSession.registerProgressHandler``."""
+
+    def __init__(self, channel: RunChannel, app_id: str | None, session_id: str) -> None:
+        self._channel, self._app_id, self._session_id = channel, app_id, session_id
+        self._lock = threading.Lock()
+        self._said = False
+
+    def progress(self, *, operation_id: str | None = None, **_: Any) -> None:
+        if operation_id:
+            self._say(connect_operation(self._session_id, operation_id))
+
+    def last_call(self) -> None:
+        """The job has ended: the application, if no progress report named the operation."""
+        self._say(None)
+
+    def _say(self, operation: str | None) -> None:
+        with self._lock:
+            if self._said or self._app_id is None:
+                return
+            self._said = True
+        self._channel.application(self._app_id, None, operation)
 
 
 def end_this_node() -> None:
@@ -336,9 +387,9 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
             )
             if channel.rank_filter:
                 channel.say(channel.rank_filter.announcement())
+            app_id = None
             with contextlib.suppress(Exception):  # the server's application, for the log and the links
-                if app_id := spark.conf.get("spark.app.id", None):
-                    channel.application(app_id, None)
+                app_id = spark.conf.get("spark.app.id", None)
             master, task_cpus = "", "1"
             with contextlib.suppress(Exception):  # a server that hides its settings: no local check
                 master, task_cpus = spark.conf.get("spark.master", ""), spark.conf.get("spark.task.cpus", "1")
@@ -346,10 +397,13 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
             if slots is not None and slots < spec.num_nodes:
                 raise SlotsUnavailable(spec.num_nodes, slots, f"the Connect server's master {master}")
             entry = (staging / spec.entry).read_bytes()
+            check_payload_size(len(entry), spark)
             task = functools.partial(connect_node_task, spec, channel.address, str(staging), entry)
             stage = spark.range(spec.num_nodes, numPartitions=spec.num_nodes)
             emit("barrier_stage_submitted")
             watch = SlotWatch(channel, spec.num_nodes, spec.slot_timeout, cancel)
+            announce = OperationAnnouncer(channel, app_id, spark.session_id)
+            spark.registerProgressHandler(announce.progress)
             try:
                 with watch:
                     rows = stage.mapInArrow(task, "result string", barrier=True).collect()
@@ -358,6 +412,9 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
                 # A rank's report is the story; Connect's is only the interruption.
                 error = watch.error or (conflicts[0] if conflicts else None)
                 error = error or (None if channel.failures else first_line(exc))
+            finally:
+                spark.removeProgressHandler(announce.progress)
+                announce.last_call()
             emit("barrier_stage_done")
             emit("channel_close")
         emit("channel_closed")

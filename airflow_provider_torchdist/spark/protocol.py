@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -275,12 +276,40 @@ class LogLine(Message):
 
 @dataclass(frozen=True)
 class Application(Message):
-    """To an owner: the Spark application's id and its UI link (None when Spark has no UI)."""
+    """To an owner: the Spark application's id and its UI link (None when Spark has no UI); over
+    Spark Connect, also the run's operation (:func:`connect_operation`: ``<session id>/<operation id>``)."""
 
     KIND = "application"
-    SCHEMA = (("app_id", "app_id", _STR, False), ("ui_url", "ui_url", _STR, True))
+    SCHEMA = (
+        ("app_id", "app_id", _STR, False),
+        ("ui_url", "ui_url", _STR, True),
+        ("operation", "operation", _STR, True),
+    )
     app_id: str
     ui_url: str | None = None
+    operation: str | None = None
+
+    def check(self) -> None:
+        if self.operation is not None and split_operation(self.operation) is None:
+            raise ProtocolError(f"'application' message: {self.operation!r} is not a Connect operation")
+
+
+def connect_operation(session_id: str, operation_id: str) -> str:
+    """A Spark Connect operation as the run's events carry it: ``<session id>/<operation id>``."""
+    return f"{session_id}/{operation_id}"
+
+
+def split_operation(text: Any) -> tuple[str, str] | None:
+    """``(session id, operation id)`` of :func:`connect_operation`'s text; None when it is not one
+    (both are UUIDs, as Spark Connect requires)."""
+    if not isinstance(text, str):
+        return None
+    session_id, _, operation_id = text.partition("/")
+    try:
+        ids = (str(uuid.UUID(session_id)), str(uuid.UUID(operation_id)))
+    except ValueError:
+        return None
+    return ids if ids == (session_id, operation_id) else None
 
 
 def output_meta(msg: Output | OutputFile) -> dict[str, Any]:

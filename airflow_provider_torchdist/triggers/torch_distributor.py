@@ -22,7 +22,8 @@ not lose the run: the supervisor waits ``reattach_timeout`` for an owner, and th
 with backoff for as long. ``on_kill`` (mark-failed, clear) stops the run; ``cleanup`` (every exit,
 a triggerer restart included) only closes the connection.
 
-Events (``TriggerEvent.payload``), each with the ``record`` the trigger was given:
+Events (``TriggerEvent.payload``), each with the ``record`` the trigger was given (with a Spark
+Connect run's operation added once the trigger has seen it):
 
 - ``{"state": "succeeded" | "failed", "status": RunStatus.to_dict()}``: the run ended;
 - ``{"state": "gone", "message": ...}``: no supervisor answered for ``reattach_timeout``;
@@ -169,6 +170,9 @@ class TorchDistributorTrigger(BaseTrigger):
                             event.app_id,
                             event.ui_url,
                         )
+                        if event.operation:  # a Connect run's job: the task can end it if the run is lost
+                            self._record = self._record.with_operation(event.operation)
+                            self.record = self._record.to_dict()
                     elif isinstance(event, ErrorEvent):
                         self.log.warning("Run %s's supervisor: %s", self._record.run_id, event.message)
                     elif isinstance(event, DoneEvent):

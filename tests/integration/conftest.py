@@ -10,7 +10,10 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from tests.integration.connect_server import connect_server  # noqa: F401 (one Connect server per session)
+from tests.integration.connect_server import (  # noqa: F401 (one Connect server per session)
+    connect_conn,
+    connect_server,
+)
 from tests.integration.deployment import Deployment, dag_folder, running_deployment
 
 pytestmark = pytest.mark.integration

@@ -16,6 +16,7 @@ uses the server cannot also use ``no_leftovers``: the server checks its own left
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -139,3 +140,20 @@ def connect_server() -> Iterator[ConnectServer]:
         yield server
     finally:
         server.stop()
+
+
+CONN_ID = "torchdist_connect"
+
+
+@pytest.fixture
+def connect_conn(
+    connect_server: ConnectServer,  # noqa: F811 (the fixture above)
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> str:
+    """A ``spark_connect`` connection (the Spark provider's type) to the session's server; the
+    shared Connect sessions' ids in a cache of the tests' own."""
+    conn = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": connect_server.port}
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", json.dumps(conn))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "connect-cache"))
+    return CONN_ID

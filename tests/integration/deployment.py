@@ -176,8 +176,30 @@ class Deployment:
                 return ti
             return None
 
-        return wait_for(
+        ti = wait_for(
             taken, timeout, f"a triggerer to take {dag_id}.{task_id}'s trigger in {run_id}", interval=0.5
+        )
+        self.wait_deferral_reported(dag_id, run_id, task_id, ti["try_number"])
+        return ti
+
+    def wait_deferral_reported(self, dag_id: str, run_id: str, task_id: str, try_number: int) -> None:
+        """Wait until the scheduler has taken the executor's report of the deferred try's exit.
+
+        Airflow 3.3's LocalExecutor reports a deferred try's process about 5 s after it exits, under
+        the same key as the resumed try. When the trigger fires before the scheduler has taken that
+        report, the scheduler can read the stale "success" for the resumed try and fail the task
+        ("finished with state success, but the task instance's state attribute is queued"; apache/airflow
+        #72716, #71580). A test that lets its run end only after this keeps to the run, not that race."""
+        line = (
+            "Received executor event with state success for task instance "
+            f"TaskInstanceKey(dag_id='{dag_id}', task_id='{task_id}', run_id='{run_id}', try_number={try_number},"
+        )
+        log = self.home / "scheduler.log"
+        wait_for(
+            lambda: line in log.read_text(errors="replace"),
+            60,
+            f"the scheduler to take the executor's report of {dag_id}.{task_id}'s deferral",
+            interval=0.2,
         )
 
     def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int) -> str:
@@ -365,6 +387,8 @@ def start_deployment(
         "AIRFLOW_HOME": str(home),
         "AIRFLOW_PORT": str(port),
         "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+        # The tasks' Connect session ids (spark.connect_driver.session_cache): the deployment's own.
+        "XDG_CACHE_HOME": str(home / "cache"),
         "TORCHDIST_NO_LOGIN": "1",
         "READY_TIMEOUT": str(READY_TIMEOUT),
         # A PATH without the venv: the launcher must put it there itself (components run as `airflow`).

@@ -18,26 +18,9 @@ import torch
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
-from tests.integration.connect_server import ConnectServer
 from tests.integration.test_training import SCRIPT, fail_on_rank_one, lightning_train, train_and_report
 
 pytestmark = pytest.mark.integration
-
-CONN_ID = "torchdist_connect"
-
-
-@pytest.fixture
-def connect_conn(
-    connect_server: ConnectServer,
-    monkeypatch: pytest.MonkeyPatch,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> str:
-    """A ``spark_connect`` connection (the Spark provider's type) to the session's server; the
-    shared Connect sessions' ids in a cache of the tests' own."""
-    conn = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": connect_server.port}
-    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", json.dumps(conn))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "connect-cache"))
-    return CONN_ID
 
 
 def test_a_callable_trains_over_connect_and_rank_zero_returns_tensors(
@@ -93,6 +76,24 @@ def test_lightning_over_connect(connect_conn: str) -> None:
     assert result["metrics"]["train_loss"] >= 0
 
 
+def socket_interfaces() -> dict[str, str | None]:
+    """The interfaces gloo and NCCL are told to use, as rank 0 sees them (no process group needed)."""
+    import os
+
+    return {name: os.environ.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+
+
+def test_interface_selection_over_connect(connect_conn: str) -> None:
+    """By default the ranks use the interface that carries their executor's address (loopback for
+    this server's executors); ``socket_ifname`` overrides it (a name no host has: nothing binds)."""
+    chosen = TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(socket_interfaces)
+    assert chosen == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    told = TorchDistributorHook(conn_id=connect_conn, num_processes=2, socket_ifname="tdtest0").run(
+        socket_interfaces
+    )
+    assert told == {"GLOO_SOCKET_IFNAME": "tdtest0", "NCCL_SOCKET_IFNAME": "tdtest0"}
+
+
 def test_local_mode_over_connect_is_refused_before_anything_starts(connect_conn: str) -> None:
     hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2, local_mode=True)
     with pytest.raises(InvalidTrainingConfig, match="the Connect server's driver runs no user code"):
@@ -123,36 +124,53 @@ def note_pids_and_sleep(marker_dir: str) -> None:
     time.sleep(300)
 
 
+class SleepingRun:
+    """``hook.run(note_pids_and_sleep, marker_dir)`` in a thread, until every rank has noted its PID
+    and its agent's (``pids``); ``raised`` holds what ``run`` raised once it ends."""
+
+    def __init__(self, hook: TorchDistributorHook, marker_dir: Path) -> None:
+        self.raised: list[BaseException] = []
+        self._runner = threading.Thread(target=self._run, args=(hook, str(marker_dir)))
+        self._runner.start()
+        files = [marker_dir / f"rank{r}.json" for r in (0, 1)]
+        deadline = time.monotonic() + 120
+        while not all(f.exists() and f.read_text() for f in files):
+            assert self._runner.is_alive() and time.monotonic() < deadline, (
+                f"the ranks never started: {self.raised}"
+            )
+            time.sleep(0.2)
+        self.pids = [pid for f in files for pid in json.loads(f.read_text())]
+
+    def _run(self, hook: TorchDistributorHook, marker_dir: str) -> None:
+        try:
+            hook.run(note_pids_and_sleep, marker_dir)
+        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
+            self.raised.append(exc)
+
+    def join(self) -> None:
+        self._runner.join(60)
+        assert not self._runner.is_alive()
+
+
+def wait_gone(pids: list[int], since: float, within: float = 30) -> list[int]:
+    """The processes of ``pids`` still alive ``within`` seconds after ``since`` (waiting for them to end)."""
+    while (
+        alive := [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    ) and (time.monotonic() - since < within):
+        time.sleep(0.2)
+    return alive
+
+
 def test_a_kill_mid_training_interrupts_the_job_and_leaves_nothing_on_the_executors(
     connect_conn: str, tmp_path: Path
 ) -> None:
     hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            hook.run(note_pids_and_sleep, str(tmp_path))
-        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
-            raised.append(exc)
-
-    runner = threading.Thread(target=run)
-    runner.start()
-    files = [tmp_path / f"rank{r}.json" for r in (0, 1)]
-    deadline = time.monotonic() + 120
-    while not all(f.exists() and f.read_text() for f in files):
-        assert runner.is_alive() and time.monotonic() < deadline, f"the ranks never started: {raised}"
-        time.sleep(0.2)
-    pids = [pid for f in files for pid in json.loads(f.read_text())]  # ranks and their agents
+    run = SleepingRun(hook, tmp_path)
     started = time.monotonic()
     hook.on_kill()
-    runner.join(60)
-    assert not runner.is_alive()
-    assert raised and isinstance(raised[0], (TrainingFailed, SparkSubmitFailed))
-    while (
-        alive := [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-    ) and (time.monotonic() - started < 30):
-        time.sleep(0.2)
-    assert not alive, f"left on the executors after the kill: {alive}"
+    run.join()
+    assert run.raised and isinstance(run.raised[0], (TrainingFailed, SparkSubmitFailed))
+    assert not (alive := wait_gone(run.pids, started)), f"left on the executors after the kill: {alive}"
 
 
 def test_the_operators_supervised_path_runs_over_connect(connect_conn: str) -> None:
@@ -182,32 +200,13 @@ def test_a_driver_killed_outright_leaves_nothing_training_on_the_executors(
     import signal
 
     hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            hook.run(note_pids_and_sleep, str(tmp_path))
-        except BaseException as exc:  # noqa: BLE001 (the test looks at it)
-            raised.append(exc)
-
-    runner = threading.Thread(target=run)
-    runner.start()
-    files = [tmp_path / f"rank{r}.json" for r in (0, 1)]
-    deadline = time.monotonic() + 120
-    while not all(f.exists() and f.read_text() for f in files):
-        assert runner.is_alive() and time.monotonic() < deadline, f"the ranks never started: {raised}"
-        time.sleep(0.2)
-    pids = [pid for f in files for pid in json.loads(f.read_text())]
+    run = SleepingRun(hook, tmp_path)
     assert hook.submission is not None and hook.submission.session is not None
     os.kill(hook.submission.session, signal.SIGKILL)  # the driver, no SIGTERM first
     started = time.monotonic()
-    runner.join(60)
-    assert not runner.is_alive()
-    assert raised and isinstance(raised[0], SparkSubmitFailed)
-    while (
-        alive := [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-    ) and (time.monotonic() - started < 30):
-        time.sleep(0.2)
+    run.join()
+    assert run.raised and isinstance(run.raised[0], SparkSubmitFailed)
+    alive = wait_gone(run.pids, started)
     assert not alive, f"still training on the executors after the driver's SIGKILL: {alive}"
 
 

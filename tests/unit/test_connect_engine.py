@@ -264,3 +264,52 @@ def test_spark_submit_never_inherits_a_connect_clients_environment(fake_spark, m
     env = fake_spark.kwargs["env"]
     assert not {"SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE"} & env.keys()
     assert env["PATH"]  # the rest of the environment is there
+
+
+SESSION, OPERATION = "0b8f1c57-6f0e-4a43-9d3e-2a4c1f6b9d10", "5f2d7a61-1c4b-4e8e-8f57-0c9a3b2e6d44"
+
+
+def test_a_lost_runs_recorded_operation_is_interrupted_on_its_connect_server(monkeypatch, listening) -> None:
+    from airflow_provider_torchdist.hooks import torch_distributor as hook_module
+    from airflow_provider_torchdist.run_record import RunRecord
+
+    calls: list[tuple[str, str, str]] = []
+    monkeypatch.setattr(
+        hook_module, "interrupt_lost_operation", lambda *args: calls.append(args) or [args[2]]
+    )
+    record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
+    hook = _connect_hook(monkeypatch, listening)
+    hook.end_lost_run(record)  # no operation recorded (the job never ran): nothing to interrupt
+    assert calls == []
+    hook.end_lost_run(record.with_operation(f"{SESSION}/{OPERATION}"))
+    assert calls == [(hook.target.connect_url, SESSION, "run-1")]  # by the run's tag, in its session
+    TorchDistributorHook(num_processes=2).end_lost_run(record.with_operation(f"{SESSION}/{OPERATION}"))
+    assert len(calls) == 1  # a spark-submit run leaves no Connect job
+
+
+def test_the_operation_is_announced_once_with_the_application(tmp_path) -> None:
+    from airflow_provider_torchdist.spark.connect_driver import OperationAnnouncer
+
+    said: list[tuple] = []
+    channel = type("Channel", (), {"application": lambda self, *args: said.append(args)})()
+    announce = OperationAnnouncer(channel, "app-1", SESSION)
+    announce.progress(stages=[], inflight_tasks=0, operation_id=None, done=False)  # not named yet
+    announce.progress(stages=[], inflight_tasks=2, operation_id=OPERATION, done=False)
+    announce.progress(stages=[], inflight_tasks=2, operation_id=OPERATION, done=False)
+    announce.last_call()
+    assert said == [("app-1", None, f"{SESSION}/{OPERATION}")]
+    quiet = OperationAnnouncer(channel, "app-2", SESSION)
+    quiet.last_call()  # the job ended before any progress report: the application alone
+    assert said[1:] == [("app-2", None, None)]
+
+
+def test_a_payload_over_the_servers_message_limit_is_refused_before_the_job_goes() -> None:
+    from airflow_provider_torchdist.spark.connect_driver import check_payload_size
+
+    conf = type("Conf", (), {"get": lambda self, key, default=None: str(8 * 2**20)})()
+    spark = type("Spark", (), {"conf": conf})()
+    check_payload_size(6 * 2**20, spark)
+    with pytest.raises(
+        ValueError, match=r"is 8\.0 MiB.*up to 8 MiB \(spark\.connect\.grpc\.maxInboundMessageSize\)"
+    ):
+        check_payload_size(8 * 2**20, spark)

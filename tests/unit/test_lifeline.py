@@ -441,6 +441,28 @@ def test_an_ended_run_replays_and_says_done_at_once(served):
     assert isinstance(events[3], DoneEvent) and len(events) == 4
 
 
+OPERATION = "0b8f1c57-6f0e-4a43-9d3e-2a4c1f6b9d10/5f2d7a61-1c4b-4e8e-8f57-0c9a3b2e6d44"
+
+
+def test_a_connect_runs_operation_reaches_owners_in_its_app_event_and_status(served):
+    state = RunState()
+    state.set_application("app-1", None, OPERATION)
+    with connect(served(state)) as conn:
+        assert conn.status.operation == OPERATION
+        assert next(conn.events()) == AppEvent("app-1", None, OPERATION)
+    assert RunStatus.from_dict(json.loads(json.dumps(state.status().to_dict()))).operation == OPERATION
+    # Without one, the status says nothing of it: an owner of an earlier release reads it as before.
+    assert "operation" not in RunState().status().to_dict()
+
+
+@pytest.mark.parametrize("operation", ["", "abc", OPERATION.split("/")[0], OPERATION + "/x", 5])
+def test_an_app_event_or_status_with_a_bad_operation_is_malformed(operation):
+    with pytest.raises(MalformedMessage, match="malformed 'app'"):
+        parse_server_message({"k": "app", "app_id": "app-1", "ui_url": None, "operation": operation})
+    with pytest.raises(MalformedMessage, match="operation"):
+        RunStatus.from_dict({**RunState().status().to_dict(), "operation": operation})
+
+
 def test_a_closed_lifeline_before_done_raises_with_the_supervisors_reason(served):
     server = served()
     conn = connect(server)

@@ -328,3 +328,53 @@ def test_a_task_failing_while_it_owns_the_run_stops_it_unless_a_retry_comes(monk
         op._follow(record, {"ti": FakeTI()})  # try 1
     # No retry to come back for it: stopped now, not kept for reattach_timeout. A retry reattaches.
     assert ended == ([record] if stopped else [])
+
+
+def test_a_retry_that_finds_the_supervisor_gone_ends_what_the_run_left_on_a_connect_server(monkeypatch):
+    from types import SimpleNamespace
+
+    from airflow_provider_torchdist.operators import torch_distributor as operator_module
+    from airflow_provider_torchdist.run_record import RunRecord
+
+    record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
+    monkeypatch.setattr(operator_module, "run_state", lambda r: "gone")
+    lost: list[RunRecord] = []
+    op = _op()
+    op._hook = SimpleNamespace(end_lost_run=lost.append)
+    assert op.get_job_status(record.to_dict(), {}) == "gone"  # the mixin then starts afresh
+    assert lost == [record]
+
+    def unreachable(record):
+        raise OSError("connection refused")
+
+    op._hook = SimpleNamespace(end_lost_run=unreachable)
+    assert op.get_job_status(record.to_dict(), {}) == "gone"  # said as a warning; the new run goes on
+
+
+def test_a_connect_runs_operation_joins_the_record_in_the_task_state_store():
+    from types import SimpleNamespace
+
+    from airflow_provider_torchdist.run_record import RECORD_KEY, RunRecord
+
+    operation = "0b8f1c57-6f0e-4a43-9d3e-2a4c1f6b9d10/5f2d7a61-1c4b-4e8e-8f57-0c9a3b2e6d44"
+    record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
+    stored: dict = {}
+    store = SimpleNamespace(set=stored.__setitem__)
+    op = _op()
+
+    def follow(record, handle):
+        hook.on_operation(operation)  # what the run's app event calls
+        return None
+
+    hook = SimpleNamespace(
+        follow=follow,
+        metrics=[],
+        spec=op.training_spec(),
+        on_application=None,
+        on_operation=None,
+        world_sizes=[],
+        run_status=None,
+    )
+    op._hook = hook
+    op._follow(record, {"ti": FakeTI(), "task_state_store": store})
+    assert RunRecord.from_dict(stored[RECORD_KEY]) == record.with_operation(operation)

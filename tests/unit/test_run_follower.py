@@ -19,7 +19,7 @@ def _follow(tmp_path):
         tmp_path,
         token,
         on_line=lines.append,
-        on_application=lambda app, ui: apps.append((app, ui)),
+        on_application=lambda app, ui, operation: apps.append((app, ui)),
         on_metric=metrics.append,
     )
     return follower, token, lines, apps, metrics

@@ -23,7 +23,33 @@ def test_a_record_round_trips_through_json_and_holds_no_secret():
         "reattach_timeout",
         "version",
         "provider_version",
+        "connect_session_id",
+        "connect_operation_id",
     }
+    assert data["connect_session_id"] is None and data["connect_operation_id"] is None
+
+
+SESSION, OPERATION = "0b8f1c57-6f0e-4a43-9d3e-2a4c1f6b9d10", "5f2d7a61-1c4b-4e8e-8f57-0c9a3b2e6d44"
+
+
+def test_a_connect_runs_operation_joins_its_record_and_round_trips():
+    record = GOOD.with_operation(f"{SESSION}/{OPERATION}")
+    assert (record.connect_session_id, record.connect_operation_id) == (SESSION, OPERATION)
+    assert record.connect_operation == f"{SESSION}/{OPERATION}"
+    assert RunRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+    assert GOOD.connect_operation is None
+
+
+def test_a_record_of_a_release_before_connect_operations_is_still_read():
+    data = GOOD.to_dict()
+    del data["connect_session_id"], data["connect_operation_id"]
+    assert RunRecord.from_dict(data) == GOOD
+
+
+@pytest.mark.parametrize("operation", ["", SESSION, f"{SESSION}/", f"/{OPERATION}", f"{SESSION}/x", "a/b/c"])
+def test_what_is_not_a_connect_operation_is_refused(operation):
+    with pytest.raises(ValueError, match="not a Spark Connect operation"):
+        GOOD.with_operation(operation)
 
 
 @pytest.mark.parametrize(
@@ -43,6 +69,11 @@ def test_a_record_round_trips_through_json_and_holds_no_secret():
         {"reattach_timeout": "600"},
         {"reattach_timeout": True},
         {"reattach_timeout": float("nan")},
+        {"connect_session_id": SESSION},
+        {"connect_operation_id": OPERATION},
+        {"connect_session_id": "", "connect_operation_id": OPERATION},
+        {"connect_session_id": SESSION, "connect_operation_id": "not-a-uuid"},
+        {"connect_session_id": 5, "connect_operation_id": OPERATION},
     ],
 )
 def test_a_malformed_record_is_refused(change):

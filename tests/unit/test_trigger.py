@@ -497,6 +497,27 @@ def test_real_lifeline_run_to_done(server: tuple[LifelineServer, RecordingOwners
     assert owners.seen == ["attached trigger", "detach", "lost"]
 
 
+def test_a_connect_runs_operation_joins_the_record_the_trigger_hands_back(
+    server: tuple[LifelineServer, RecordingOwners],
+) -> None:
+    lifeline_server, owners = server
+    state = lifeline_server.state
+    state.set_running()
+    operation = "0b8f1c57-6f0e-4a43-9d3e-2a4c1f6b9d10/5f2d7a61-1c4b-4e8e-8f57-0c9a3b2e6d44"
+    trigger = TorchDistributorTrigger(served_record(lifeline_server))
+
+    async def scenario() -> list[dict[str, Any]]:
+        events = asyncio.create_task(collect(trigger))
+        await asyncio.to_thread(owners.attached.wait, 5)
+        state.set_application("app-1", None, operation)
+        state.finish("failed", error="boom")
+        return await asyncio.wait_for(events, 10)
+
+    (event,) = asyncio.run(scenario())
+    assert RunRecord.from_dict(event["record"]).connect_operation == operation
+    assert trigger.serialize()[1]["record"]["connect_operation_id"] == operation.split("/")[1]
+
+
 def test_real_lifeline_on_kill_stops(server: tuple[LifelineServer, RecordingOwners]) -> None:
     lifeline_server, owners = server
     lifeline_server.state.set_running()

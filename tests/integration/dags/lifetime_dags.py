@@ -21,7 +21,12 @@ The DAGs, all ``num_processes=2`` on the embedded Spark master in distributed mo
   the result;
 - ``lifetime_locked``: ``durable=True``, one retry, ``reattach_timeout`` from the conf (default
   120): the test deletes the run's record between the tries, so the retry submits afresh beside
-  the live run and must be refused by the checkpoint lock.
+  the live run and must be refused by the checkpoint lock;
+- ``lifetime_connect_deferrable`` and ``lifetime_connect_durable``: as ``lifetime_deferrable`` and
+  ``lifetime_durable`` (3 s retry delay), over the ``torchdist_connect_lifetime`` connection
+  (``spark_connect``, to the test session's Connect server, which
+  tests/integration/test_connect_lifetime.py creates in the deployment): the ranks run in the
+  Connect server's Python workers, while the run's supervisor runs the Connect driver.
 """
 
 from __future__ import annotations
@@ -122,3 +127,32 @@ lifetime_durable()
 lifetime_no_owner()
 lifetime_deferrable()
 lifetime_locked()
+
+
+CONNECT_CONN_ID = "torchdist_connect_lifetime"
+
+
+@dag(
+    dag_id="lifetime_connect_deferrable",
+    schedule=None,
+    start_date=START,
+    catchup=False,
+    tags=["torchdist-test"],
+)
+def lifetime_connect_deferrable():
+    trained = gated_training(conn_id=CONNECT_CONN_ID, deferrable=True, retries=0)
+    check(trained.output)
+
+
+@dag(
+    dag_id="lifetime_connect_durable", schedule=None, start_date=START, catchup=False, tags=["torchdist-test"]
+)
+def lifetime_connect_durable():
+    trained = gated_training(
+        conn_id=CONNECT_CONN_ID, durable=True, retries=1, retry_delay=timedelta(seconds=3)
+    )
+    check(trained.output)
+
+
+lifetime_connect_deferrable()
+lifetime_connect_durable()
