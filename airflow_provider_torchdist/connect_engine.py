@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -27,6 +28,7 @@ from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmit
 from airflow_provider_torchdist.spark.connect_driver import CHANNEL_HOST_ENV, URL_ENV
 from airflow_provider_torchdist.spark.events import emit
 from airflow_provider_torchdist.spec import TrainingSpec
+from airflow_provider_torchdist.staging import SPARK_ZIP
 from airflow_provider_torchdist.submit_plan import Submission, SubmitPlan
 
 log = logging.getLogger(__name__)
@@ -49,9 +51,6 @@ def check_connect_run(
     unsupported = {
         "an elastic num_processes": spec.elastic,
         "train_data": spec.train_data is not None,
-        "py_files": bool(spec.py_files),
-        "module mode (train_object='-m ...')": isinstance(train_object, str)
-        and train_object.startswith("-m"),
     }
     if named := [name for name, used in unsupported.items() if used]:
         raise InvalidTrainingConfig(
@@ -139,11 +138,15 @@ class ConnectSubmission:
         }
         if self.plan.connection.get("channel_host"):
             env[CHANNEL_HOST_ENV] = self.plan.connection["channel_host"]
+        # The user's py_files (not this provider's own zip: the server's executors have it
+        # installed) go with the job, read by the driver.
+        user_py_files = [p for p in self.plan.py_files if Path(p).name != SPARK_ZIP]
         command = [
             sys.executable,
             "-m",
             "airflow_provider_torchdist.spark.connect_driver",
             *self.plan.application_args,
+            *user_py_files,
         ]
         emit("spark_submit_start")
         try:

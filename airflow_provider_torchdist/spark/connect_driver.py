@@ -192,7 +192,8 @@ def check_payload_size(size: int, spark: Any) -> None:
         limit = int(spark.conf.get("spark.connect.grpc.maxInboundMessageSize", str(DEFAULT_MAX_MESSAGE)))
     if size + PLAN_ROOM > limit:
         raise ValueError(
-            f"the training payload (the pickled callable with its args and kwargs, or the script) is "
+            f"the training payload (the pickled callable with its args and kwargs, or the script, and "
+            f"py_files) is "
             f"{size / 2**20:.1f} MiB, and a Spark Connect job carries it in its plan, which this server takes "
             f"up to {limit / 2**20:.0f} MiB (spark.connect.grpc.maxInboundMessageSize). Pass large data by "
             "path instead (a file or train_data the executors read), or raise that setting on the server."
@@ -245,9 +246,15 @@ def end_this_node() -> None:
 
 
 def connect_node_task(
-    spec: JobSpec, channel_address: tuple[str, int], output_dir: str, entry: bytes, rows: Iterator[Any]
+    spec: JobSpec,
+    channel_address: tuple[str, int],
+    output_dir: str,
+    entry: bytes,
+    py_files: list[tuple[str, bytes]],
+    rows: Iterator[Any],
 ) -> Iterator[Any]:
-    """One barrier task of the job: write the payload privately, then run the node as
+    """One barrier task of the job: write the payload and the user's ``py_files`` (``(name,
+    bytes)``) privately, put the latter on the ranks' ``sys.path``, then run the node as
     :func:`.barrier.barrier_task` does."""
     import pyarrow as pa
 
@@ -257,13 +264,18 @@ def connect_node_task(
     for _ in rows:
         pass
     environ = dict(os.environ)  # a reused worker must not hand this run's settings to the next task
+    import_path = list(sys.path)
 
     directory = tempfile.mkdtemp(prefix=f"torchdist-connect-{os.getpid()}-")  # 0700
     try:
-        path = os.path.join(directory, os.path.basename(spec.entry))
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(entry)
+        shipped = [write_private_bytes(directory, name, data) for name, data in py_files]
+        # As spark-submit's --py-files: first on the worker's sys.path, which the ranks (started
+        # by torchrun's agent with the spawn method) get as theirs.
+        # A .py file is a module in its directory; a zip or egg is a path entry itself.
+        entries = [p for p in shipped if not p.endswith(".py")]
+        sys.path[:0] = [directory, *entries] if len(entries) < len(shipped) else entries
+        # Module mode ships no entry: the module comes from py_files or the executors' Python.
+        path = directory if spec.kind == "module" else write_private_bytes(directory, spec.entry, entry)
         # Rank 0 writes its value in place when this client's staging directory is on its machine
         # too (a server beside this worker), else streams it over the channel.
         for result in barrier_task(
@@ -276,6 +288,16 @@ def connect_node_task(
         shutil.rmtree(directory, ignore_errors=True)
         os.environ.clear()
         os.environ.update(environ)
+        sys.path[:] = import_path  # nor this run's py_files
+
+
+def write_private_bytes(directory: str, name: str, data: bytes) -> str:
+    """``data`` as a new 0600 file ``directory/<basename of name>``; returns its path."""
+    path = os.path.join(directory, os.path.basename(name))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return path
 
 
 def session_cache() -> Path:
@@ -329,8 +351,9 @@ def open_session(url: str) -> Any:
     return spark
 
 
-def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
-    """The barrier stage over a Connect session; returns the run's outcome."""
+def run_connect(spec: JobSpec, staging: Path, url: str, py_files: list[str] | None = None) -> Outcome:
+    """The barrier stage over a Connect session, with the user's ``py_files`` (paths here, shipped
+    inside the job); returns the run's outcome."""
     emit("spark_context_start")
     spark = open_session(url)
     emit("spark_context_up")
@@ -396,9 +419,10 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
             slots = local_slots(master, int(task_cpus or 1))
             if slots is not None and slots < spec.num_nodes:
                 raise SlotsUnavailable(spec.num_nodes, slots, f"the Connect server's master {master}")
-            entry = (staging / spec.entry).read_bytes()
-            check_payload_size(len(entry), spark)
-            task = functools.partial(connect_node_task, spec, channel.address, str(staging), entry)
+            entry = b"" if spec.kind == "module" else (staging / spec.entry).read_bytes()
+            shipped = [(Path(p).name, Path(p).read_bytes()) for p in py_files or []]
+            check_payload_size(len(entry) + sum(len(data) for _, data in shipped), spark)
+            task = functools.partial(connect_node_task, spec, channel.address, str(staging), entry, shipped)
             stage = spark.range(spec.num_nodes, numPartitions=spec.num_nodes)
             emit("barrier_stage_submitted")
             watch = SlotWatch(channel, spec.num_nodes, spec.slot_timeout, cancel)
@@ -435,7 +459,8 @@ def run_connect(spec: JobSpec, staging: Path, url: str) -> Outcome:
 
 
 def main(argv: list[str], environ: dict[str, str] | None = None) -> int:
-    """Run the job in ``argv[1]`` over the Connect server in ``TORCHDIST_CONNECT_URL``; write the outcome."""
+    """Run the job in ``argv[1]`` (with the user's py_files in ``argv[2:]``) over the Connect server
+    in ``TORCHDIST_CONNECT_URL``; write the outcome."""
     spec_path = Path(argv[1])
     staging = spec_path.parent
     spec = JobSpec.read(spec_path)
@@ -444,7 +469,7 @@ def main(argv: list[str], environ: dict[str, str] | None = None) -> int:
     try:
         if not url:
             raise RuntimeError(f"{URL_ENV} is not set: the hook passes the Connect server's URL there")
-        outcome = run_connect(spec, staging, url)
+        outcome = run_connect(spec, staging, url, argv[2:])
     except Exception as exc:
         outcome = Outcome(ok=False, error=f"{type(exc).__name__}: {first_line(exc)}")
     if outcome.error:  # pyspark may quote the URL (and so the token) in its errors

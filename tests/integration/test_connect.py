@@ -76,6 +76,33 @@ def test_lightning_over_connect(connect_conn: str) -> None:
     assert result["metrics"]["train_loss"] >= 0
 
 
+MODULE_PKG = Path(__file__).parent / "module_pkg" / "torchdist_modtest"
+
+
+def test_module_mode_with_py_files_over_connect(connect_conn: str, tmp_path: Path) -> None:
+    """``-m torchdist_modtest.train``, importable only from ``py_files`` (not installed anywhere):
+    the package goes with the job and onto every rank's path."""
+    out = tmp_path / "out"
+    out.mkdir()
+    hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2, py_files=[str(MODULE_PKG)])
+    assert hook.run("-m torchdist_modtest.train", "--out", str(out), "--lr", "0.5") is None
+    for rank in (0, 1):
+        assert (out / f"rank-{rank}").read_text() == f"--out {out} --lr 0.5|2|__main__"
+
+
+def use_shipped_helper() -> int:
+    import torchdist_connect_helper  # only in py_files
+
+    return torchdist_connect_helper.ANSWER
+
+
+def test_a_callable_imports_a_py_files_module_over_connect(connect_conn: str, tmp_path: Path) -> None:
+    helper = tmp_path / "torchdist_connect_helper.py"
+    helper.write_text("ANSWER = 42\n")
+    hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2, py_files=[str(helper)])
+    assert hook.run(use_shipped_helper) == 42
+
+
 def socket_interfaces() -> dict[str, str | None]:
     """The interfaces gloo and NCCL are told to use, as rank 0 sees them (no process group needed)."""
     import os

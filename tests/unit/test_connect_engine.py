@@ -142,13 +142,10 @@ def test_the_token_is_taken_out_of_an_error_that_quotes_the_url() -> None:
             "conf cannot apply over the Spark Connect connection",
         ),
         ({"spark_submit_kwargs": {"executor_cores": 2}}, None, "spark_submit_kwargs cannot apply"),
-        ({}, "-m pkg.train", r"module mode \(train_object='-m ...'\) cannot run over"),
     ],
-    ids=["conf", "spark_submit_kwargs", "module-mode"],
+    ids=["conf", "spark_submit_kwargs"],
 )
-def test_settings_the_server_owns_and_module_mode_are_refused(
-    monkeypatch, listening, settings, train_object, message
-):
+def test_settings_the_server_owns_are_refused(monkeypatch, listening, settings, train_object, message):
     hook = _connect_hook(monkeypatch, listening, **settings)
     with pytest.raises(InvalidTrainingConfig, match=message):
         check_connect_run(hook.spec, hook.target, train_object)
@@ -313,3 +310,30 @@ def test_a_payload_over_the_servers_message_limit_is_refused_before_the_job_goes
         ValueError, match=r"is 8\.0 MiB.*up to 8 MiB \(spark\.connect\.grpc\.maxInboundMessageSize\)"
     ):
         check_payload_size(8 * 2**20, spark)
+
+
+def test_the_users_py_files_go_to_the_connect_driver_but_not_the_providers_own_zip(
+    monkeypatch, listening, tmp_path
+) -> None:
+    from airflow_provider_torchdist import connect_engine
+    from airflow_provider_torchdist.staging import SPARK_ZIP
+
+    helper = tmp_path / "helper.py"
+    helper.write_text("X = 1\n")
+    plan = _plan(_connect_hook(monkeypatch, listening, py_files=[str(helper)]))
+    assert any(p.endswith(SPARK_ZIP) for p in plan.py_files)  # what spark-submit would ship
+    commands: list[list[str]] = []
+
+    class Exited:
+        def __init__(self, command, **kwargs):
+            commands.append(command)
+            self.pid, self.stdout = 0, iter(())
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(connect_engine.subprocess, "Popen", Exited)
+    ConnectSubmission(plan).run()
+    (command,) = commands
+    assert command[-2:] == [*plan.application_args, str(helper)]
+    assert not any(SPARK_ZIP in arg or "s3cret" in arg for arg in command)
