@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -29,7 +30,7 @@ from airflow_provider_torchdist.spark.connect_driver import CHANNEL_HOST_ENV, UR
 from airflow_provider_torchdist.spark.events import emit
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.staging import SPARK_ZIP
-from airflow_provider_torchdist.submit_plan import Submission, SubmitPlan
+from airflow_provider_torchdist.submit_plan import CONNECT_CLIENT_ENV, Submission, SubmitPlan
 
 log = logging.getLogger(__name__)
 
@@ -80,34 +81,68 @@ def check_connect_run(
         ) from None
 
 
-def interrupt_lost_operation(url: str, session_id: str, run_id: str) -> list[str]:
+#: How long a retry waits for the server to interrupt a lost run's job (pyspark would retry an
+#: unreachable server for minutes).
+INTERRUPT_TIMEOUT_S = 20.0
+
+
+def interrupt_lost_run(
+    url: str, session_id: str, run_id: str, timeout: float = INTERRUPT_TIMEOUT_S, remote: Any = None
+) -> list[str]:
     """Interrupt, on the Connect server at ``url``, the job of run ``run_id`` whose driver is gone
     (its supervisor lost with its machine, or SIGKILLed), in the session ``session_id`` its record
-    holds. Returns the ids of the operations interrupted (none: it had ended).
+    holds; returns the ids of the operations interrupted (none: it had ended, or the server closed
+    the session and its jobs with it). Raises ``TimeoutError`` when the server does not answer
+    within ``timeout`` seconds. ``remote``: what makes the session (default ``SparkSession.builder.remote``).
 
-    It interrupts by the run's tag (:func:`.spark.connect_driver.job_tag`), not by the recorded
-    operation id alone: a record is data anyone who can write the task's state could change, and
-    the tag limits what it can reach to this run's own jobs.
+    It interrupts by the run's tag (:func:`.spark.connect_driver.job_tag`), which the record's
+    operation id may not be known for yet (a job still waiting for its slots has not reported).
 
     A driver that dies leaves its job to the server: the nodes end their ranks when they notice
     (the run channel closes), and the server ends a job nobody reattaches to after its
     ``spark.connect.execute.manager.detachedTimeout``; until then, a job still waiting for its task
     slots, or whose nodes cannot tell the driver is gone (a frozen machine), would hold the cluster.
     """
-    from pyspark.sql import SparkSession
-
     from airflow_provider_torchdist.spark.connect_driver import job_tag, with_session
 
-    spark = SparkSession.builder.remote(with_session(url, session_id)).create()
-    try:
-        return list(spark.interruptTag(job_tag(run_id)))
-    except Exception as exc:
-        if "SESSION_CLOSED" in str(exc) or "SESSION_CHANGED" in str(exc):
-            return []  # the server ended the session, and its jobs with it
-        raise
-    finally:
-        with contextlib.suppress(Exception):
-            spark.client.close()  # not stop(): the session is shared with this user's other runs
+    if remote is None:
+        from pyspark.sql import SparkSession
+
+        remote = SparkSession.builder.remote
+    answer: list[Any] = []
+
+    def interrupt() -> None:
+        # A Connect session marks its process as a Connect client (SPARK_CONNECT_MODE_ENABLED):
+        # this is the task's process, which must not stay marked for what it runs next.
+        marks = {key: os.environ.get(key) for key in CONNECT_CLIENT_ENV}
+        try:
+            spark = remote(with_session(url, session_id)).create()
+        except Exception as exc:
+            answer.append(exc)
+            return
+        finally:
+            for key, value in marks.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        try:
+            answer.append(list(spark.interruptTag(job_tag(run_id))))
+        except Exception as exc:
+            closed = "SESSION_CLOSED" in str(exc) or "SESSION_CHANGED" in str(exc)
+            answer.append([] if closed else exc)  # a closed session's jobs ended with it
+        finally:
+            with contextlib.suppress(Exception):
+                spark.client.close()  # not stop(): the session is shared with this user's other runs
+
+    worker = threading.Thread(target=interrupt, daemon=True, name="torchdist-interrupt-lost-run")
+    worker.start()
+    worker.join(timeout)
+    if not answer:
+        raise TimeoutError(f"the Spark Connect server did not answer within {timeout:.0f} s")
+    if isinstance(answer[0], BaseException):
+        raise answer[0]
+    return answer[0]
 
 
 def submission_for(plan: SubmitPlan) -> Submission | ConnectSubmission:

@@ -2,8 +2,9 @@
 
 A durable or deferred run outlives the task process that started it. What a later owner (a retry,
 a trigger, ``execute_complete``) needs to find it goes in the record: the run id and the address of
-its supervisor; over Spark Connect, once its job runs, also the Connect session and operation ids,
-with which a retry that finds the supervisor gone interrupts the job it left on the server. No secret does: the owner's credential is derived from the run id with the
+its supervisor; over Spark Connect, also the Connect session the run's job goes to (from its
+start) and, once the job runs, its operation id: with them a retry that finds the supervisor gone
+interrupts the job it left on the server. No secret does: the owner's credential is derived from the run id with the
 deployment's output signing key (:func:`owner_secret`), which every worker and triggerer of the
 deployment holds already, so the record, trigger kwargs and the state store hold nothing to steal.
 """
@@ -49,6 +50,12 @@ class RunRecord:
             raise ValueError(f"{operation!r} is not a Spark Connect operation")
         return replace(self, connect_session_id=ids[0], connect_operation_id=ids[1])
 
+    def with_session(self, session_id: str) -> RunRecord:
+        """This record with the Spark Connect session the run's job goes to (no operation yet)."""
+        if split_operation(f"{session_id}/{session_id}") is None:
+            raise ValueError(f"{session_id!r} is not a Spark Connect session id")
+        return replace(self, connect_session_id=session_id, connect_operation_id=None)
+
     @property
     def connect_operation(self) -> str | None:
         """The run's Spark Connect operation as :func:`with_operation` took it, or None."""
@@ -80,7 +87,10 @@ class RunRecord:
             type(record.durable) is bool,
             type(record.reattach_timeout) in (int, float) and record.reattach_timeout > 0,
             (record.connect_session_id, record.connect_operation_id) == (None, None)
-            or split_operation(f"{record.connect_session_id}/{record.connect_operation_id}") is not None,
+            or split_operation(
+                f"{record.connect_session_id}/{record.connect_operation_id or record.connect_session_id}"
+            )
+            is not None,
         )
         if not all(checks):
             raise InvalidTrainingConfig(f"The task's stored run record {data!r} is malformed; clear it.")

@@ -24,7 +24,7 @@ from airflow.providers.common.compat.sdk import BaseHook
 
 from airflow_provider_torchdist.connect_engine import (
     ConnectSubmission,
-    interrupt_lost_operation,
+    interrupt_lost_run,
     submission_for,
 )
 from airflow_provider_torchdist.connection import CONN_TYPE, SparkTarget, resolve_target
@@ -44,6 +44,7 @@ from airflow_provider_torchdist.run_owner import (
 )
 from airflow_provider_torchdist.run_prepare import check_and_stage, plan_staged
 from airflow_provider_torchdist.run_record import RunRecord
+from airflow_provider_torchdist.spark.connect_driver import planned_session_id
 from airflow_provider_torchdist.spark.events import emit
 from airflow_provider_torchdist.spark.output_store import read_output
 from airflow_provider_torchdist.spec import (
@@ -222,6 +223,8 @@ class TorchDistributorHook(BaseHook):
             checkpoint_dir=self.spec.checkpoint_dir,
         )
         self.staged = None  # the supervisor's now: it removes it when the run ends
+        if self.target.is_connect and (session_id := planned_session_id(self.target.connect_url or "")):
+            record = record.with_session(session_id)  # where its job goes: a lost run's is interrupted there
         self.record = record
         try:
             self._owner = connect_owner(record)
@@ -231,24 +234,22 @@ class TorchDistributorHook(BaseHook):
             raise
         return record
 
-    def end_lost_run(self, record: RunRecord) -> None:
-        """A run whose supervisor is gone: interrupt the job it left on a Spark Connect server (the
-        operation in its record), so that nothing of it holds the cluster while a retry starts afresh."""
-        operation = record.connect_operation
-        if operation is None or not self.target.is_connect:
-            return
-        assert record.connect_session_id is not None
-        interrupted = interrupt_lost_operation(
+    def end_lost_run(self, record: RunRecord) -> list[str]:
+        """A run whose supervisor is gone: interrupt the job it left on a Spark Connect server (by
+        the run's tag, in the session its record holds), so that nothing of it holds the cluster
+        while a retry starts afresh. Returns the operations interrupted (none for other runs)."""
+        if record.connect_session_id is None or not self.target.is_connect:
+            return []
+        interrupted = interrupt_lost_run(
             self.target.connect_url or "", record.connect_session_id, record.run_id
         )
         self.log.warning(
-            "Run %s's supervisor is gone; its Spark Connect job (operation %s) %s.",
+            "Run %s's supervisor is gone; its Spark Connect job in session %s: %s.",
             record.run_id,
-            operation,
-            "was interrupted"
-            if record.connect_operation_id in interrupted
-            else f"had ended already (interrupted: {interrupted or 'none'})",
+            record.connect_session_id,
+            f"interrupted (operation {', '.join(interrupted)})" if interrupted else "none left to interrupt",
         )
+        return interrupted
 
     def detach(self) -> None:
         """Leave the run on purpose (before deferring): it waits ``reattach_timeout`` for its next owner."""
@@ -320,8 +321,6 @@ class TorchDistributorHook(BaseHook):
         if self.application_id is not None:
             return
         self.application_id = app_id
-        if operation and self.on_operation:
-            self.on_operation(operation)
         if self.on_application:
             self.on_application(
                 ApplicationLinks.of(
@@ -331,6 +330,8 @@ class TorchDistributorHook(BaseHook):
                     history_server=self.target.history_server,
                 )
             )
+        if operation and self.on_operation:
+            self.on_operation(operation)
 
     def _metric_reported(self, record: dict[str, Any]) -> None:
         self.metrics.append(record)

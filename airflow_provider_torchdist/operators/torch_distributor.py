@@ -297,6 +297,19 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
             raise SparkSubmitFailed(f"Waiting for the training run failed: {event.get('message') or state}")
         return self._follow(record, context)
 
+    def _record_operation(self, store: Any, record: RunRecord, operation: str) -> None:
+        """A Connect run's operation (and the session it ran in) into its record, for a retry that
+        finds the supervisor gone (``end_lost_run``); the run goes on whether it is stored or not."""
+        try:
+            store.set(self.external_id_key, record.with_operation(operation).to_dict())
+        except Exception as exc:
+            self.log.warning(
+                "Could not add Spark Connect operation %s to run %s's record: %s",
+                operation,
+                record.run_id,
+                exc,
+            )
+
     def _end_lost_run(self, record: RunRecord) -> None:
         assert self._hook is not None
         try:
@@ -321,10 +334,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         ti = context["ti"]
         hook.on_application = link_pusher(ti)
         if (store := context.get("task_state_store")) is not None:
-            # A Connect run's operation, for a retry that finds the supervisor gone (end_lost_run).
-            hook.on_operation = lambda operation: store.set(
-                self.external_id_key, record.with_operation(operation).to_dict()
-            )
+            hook.on_operation = lambda operation: self._record_operation(store, record, operation)
         metrics = metrics_pusher(ti)
         hook.on_metrics = metrics.offer
         followed = False

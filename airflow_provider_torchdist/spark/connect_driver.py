@@ -329,6 +329,19 @@ def shared_session_id(url: str, cache: Path, renew: bool = False) -> str:
     return session_id
 
 
+def planned_session_id(url: str) -> str | None:
+    """The session a run against ``url`` will open (:func:`open_session`, unless the server closed
+    it): the URL's own ``session_id``, or this user's shared one. None when the URL's is no UUID."""
+    for param in url.partition("/;")[2].split(";"):
+        name, _, value = param.partition("=")
+        if name == "session_id":
+            try:
+                return str(uuid.UUID(value)) if str(uuid.UUID(value)) == value else None
+            except ValueError:
+                return None
+    return shared_session_id(url, session_cache())
+
+
 def open_session(url: str) -> Any:
     """A Connect session for the run: the one this user's runs share, or a new one when the server
     closed it (idle too long) or the URL names a session of its own."""

@@ -151,8 +151,8 @@ def test_a_lost_supervisors_connect_job_is_interrupted_from_the_runs_record(
     connect_conn: str, tmp_path: Path
 ) -> None:
     """The run's supervisor dies with the Connect client frozen (a lost machine: the nodes cannot
-    tell), so its job would hold the server's slots; the retry's hook interrupts it by the record's
-    operation, and nothing of the run is left on the executors."""
+    tell), so its job would hold the server's slots; the retry's hook interrupts it in the record's
+    session, by the run's tag, and nothing of the run is left on the executors."""
     hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
     record = hook.start_run(gated, [str(tmp_path)], {}, durable=True, reattach_timeout=300.0)
     hook.detach()  # no owner now: a durable run waits for the next
@@ -180,9 +180,10 @@ def test_a_lost_supervisors_connect_job_is_interrupted_from_the_runs_record(
         assert run_state(record) == GONE
         assert all(psutil.pid_exists(p) for p in pids)  # still training: only the record can end them now
 
+        assert record.connect_session_id == operation.split("/")[0]  # recorded from the start
         retry = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
         started = time.monotonic()
-        retry.end_lost_run(record.with_operation(operation))
+        assert retry.end_lost_run(record) == [operation.split("/")[1]]  # the run's own job, and only it
         assert not (alive := wait_gone(pids, started)), f"still on the executors after the interrupt: {alive}"
     finally:
         (tmp_path / "release").touch()

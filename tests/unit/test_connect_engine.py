@@ -266,22 +266,109 @@ def test_spark_submit_never_inherits_a_connect_clients_environment(fake_spark, m
 SESSION, OPERATION = "0b8f1c57-6f0e-4a43-9d3e-2a4c1f6b9d10", "5f2d7a61-1c4b-4e8e-8f57-0c9a3b2e6d44"
 
 
-def test_a_lost_runs_recorded_operation_is_interrupted_on_its_connect_server(monkeypatch, listening) -> None:
+def test_a_lost_runs_job_is_interrupted_in_its_recorded_session(monkeypatch, listening) -> None:
     from airflow_provider_torchdist.hooks import torch_distributor as hook_module
     from airflow_provider_torchdist.run_record import RunRecord
 
     calls: list[tuple[str, str, str]] = []
-    monkeypatch.setattr(
-        hook_module, "interrupt_lost_operation", lambda *args: calls.append(args) or [args[2]]
-    )
+    monkeypatch.setattr(hook_module, "interrupt_lost_run", lambda *args: calls.append(args) or [OPERATION])
     record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
     hook = _connect_hook(monkeypatch, listening)
-    hook.end_lost_run(record)  # no operation recorded (the job never ran): nothing to interrupt
+    assert hook.end_lost_run(record) == []  # no session recorded: nothing to go by
     assert calls == []
-    hook.end_lost_run(record.with_operation(f"{SESSION}/{OPERATION}"))
+    # The session is recorded from the start: a job still waiting for its slots (no operation yet) too.
+    assert hook.end_lost_run(record.with_session(SESSION)) == [OPERATION]
     assert calls == [(hook.target.connect_url, SESSION, "run-1")]  # by the run's tag, in its session
-    TorchDistributorHook(num_processes=2).end_lost_run(record.with_operation(f"{SESSION}/{OPERATION}"))
+    assert TorchDistributorHook(num_processes=2).end_lost_run(record.with_session(SESSION)) == []
     assert len(calls) == 1  # a spark-submit run leaves no Connect job
+
+
+class FakeConnect:
+    """``SparkSession.builder.remote`` for :func:`interrupt_lost_run`: records what it was asked."""
+
+    def __init__(self, interrupt=lambda tag: ["op-1"]) -> None:
+        self.urls: list[str] = []
+        self.tags: list[str] = []
+        self.closed = self.stopped = 0
+        self._interrupt = interrupt
+
+    def __call__(self, url: str):
+        import os
+
+        self.urls.append(url)
+        os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"  # as SparkSession.builder.remote does
+        return self
+
+    def create(self):
+        return self
+
+    def interruptTag(self, tag: str):  # noqa: N802 (pyspark's name)
+        self.tags.append(tag)
+        return self._interrupt(tag)
+
+    @property
+    def client(self):
+        return self
+
+    def close(self) -> None:
+        self.closed += 1
+
+    def stop(self) -> None:
+        self.stopped += 1
+
+
+def test_interrupting_a_lost_run_uses_its_tag_in_its_session_and_keeps_the_session(monkeypatch) -> None:
+    import os
+
+    from airflow_provider_torchdist.connect_engine import interrupt_lost_run
+
+    monkeypatch.delenv("SPARK_CONNECT_MODE_ENABLED", raising=False)
+    fake = FakeConnect()
+    assert interrupt_lost_run("sc://h:15002/;token=t", SESSION, "run-1", remote=fake) == ["op-1"]
+    assert "SPARK_CONNECT_MODE_ENABLED" not in os.environ  # the task's process is not left marked
+    assert fake.urls == [f"sc://h:15002/;token=t;session_id={SESSION}"]
+    assert fake.tags == ["torchdist-run-1"]
+    assert (fake.closed, fake.stopped) == (1, 0)  # the shared session is not released
+
+
+def test_a_closed_session_has_nothing_to_interrupt_and_other_errors_are_raised() -> None:
+    from airflow_provider_torchdist.connect_engine import interrupt_lost_run
+
+    def closed(tag):
+        raise RuntimeError("[INVALID_HANDLE.SESSION_CLOSED] the session was closed")
+
+    assert interrupt_lost_run("sc://h:1", SESSION, "run-1", remote=FakeConnect(closed)) == []
+
+    def refused(tag):
+        raise RuntimeError("PERMISSION_DENIED")
+
+    with pytest.raises(RuntimeError, match="PERMISSION_DENIED"):
+        interrupt_lost_run("sc://h:1", SESSION, "run-1", remote=FakeConnect(refused))
+
+
+def test_a_server_that_does_not_answer_fails_the_interrupt_in_bounded_time() -> None:
+    import threading
+
+    from airflow_provider_torchdist.connect_engine import interrupt_lost_run
+
+    never = threading.Event()
+    try:
+        with pytest.raises(TimeoutError, match="did not answer within 0 s"):
+            interrupt_lost_run(
+                "sc://h:1", SESSION, "run-1", timeout=0.2, remote=FakeConnect(lambda t: never.wait())
+            )
+    finally:
+        never.set()
+
+
+def test_the_planned_session_is_the_urls_own_or_the_shared_one(monkeypatch, tmp_path) -> None:
+    from airflow_provider_torchdist.spark.connect_driver import planned_session_id, session_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    url = "sc://h:15002/;token=t"
+    assert planned_session_id(url) == shared_session_id(url, session_cache())
+    assert planned_session_id(f"{url};session_id={SESSION}") == SESSION
+    assert planned_session_id(f"{url};session_id=mine") is None  # not a UUID: nothing to record
 
 
 def test_the_operation_is_announced_once_with_the_application(tmp_path) -> None:
@@ -298,6 +385,9 @@ def test_the_operation_is_announced_once_with_the_application(tmp_path) -> None:
     quiet = OperationAnnouncer(channel, "app-2", SESSION)
     quiet.last_call()  # the job ended before any progress report: the application alone
     assert said[1:] == [("app-2", None, None)]
+    hidden = OperationAnnouncer(channel, None, SESSION)  # a server that hides spark.app.id
+    hidden.progress(stages=[], inflight_tasks=2, operation_id=OPERATION, done=False)
+    assert said[2:] == []  # no application to name (the record has the session from the start)
 
 
 def test_a_payload_over_the_servers_message_limit_is_refused_before_the_job_goes() -> None:

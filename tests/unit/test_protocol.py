@@ -48,6 +48,9 @@ EVERY_KIND = [
     LogLine("[rank 0 @ h] hi"),
     Application("app-20240101-0001", "http://driver:4040"),
     Application("local-123", None),
+    Application(
+        "local-123", None, "0b8f1c57-6f0e-4a43-9d3e-2a4c1f6b9d10/5f2d7a61-1c4b-4e8e-8f57-0c9a3b2e6d44"
+    ),
 ]
 
 
@@ -98,6 +101,16 @@ def test_the_encoder_coerces_failure_fields_so_the_decoder_accepts_them():
         (b'{"k": "output", "n": 1, "sha256": 5}', "field 'sha256' must be str or null, got int"),
         (b'{"k": "output_file"}', "field 'name' must be str, got NoneType"),
         (b'{"k": "application", "app_id": 1}', "field 'app_id' must be str, got int"),
+        (
+            b'{"k": "application", "app_id": "a", "operation": 5}',
+            "field 'operation' must be str or null, got int",
+        ),
+        (b'{"k": "application", "app_id": "a", "operation": "x/y"}', "'x/y' is not a Connect operation"),
+        (
+            b'{"k": "application", "app_id": "a", "operation": "0B8F1C57-6F0E-4A43-9D3E-2A4C1F6B9D10/'
+            b'5f2d7a61-1c4b-4e8e-8f57-0c9a3b2e6d44"}',
+            "is not a Connect operation",
+        ),
         (b"[" * 100_000 + b"]" * 100_000, "not a JSON message"),
     ],
 )

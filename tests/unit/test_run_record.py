@@ -40,6 +40,18 @@ def test_a_connect_runs_operation_joins_its_record_and_round_trips():
     assert GOOD.connect_operation is None
 
 
+def test_a_connect_runs_session_is_recorded_from_its_start_before_any_operation():
+    record = GOOD.with_session(SESSION)
+    assert (record.connect_session_id, record.connect_operation_id, record.connect_operation) == (
+        SESSION,
+        None,
+        None,
+    )
+    assert RunRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+    with pytest.raises(ValueError, match="not a Spark Connect session id"):
+        GOOD.with_session("mine")
+
+
 def test_a_record_of_a_release_before_connect_operations_is_still_read():
     data = GOOD.to_dict()
     del data["connect_session_id"], data["connect_operation_id"]
@@ -69,7 +81,6 @@ def test_what_is_not_a_connect_operation_is_refused(operation):
         {"reattach_timeout": "600"},
         {"reattach_timeout": True},
         {"reattach_timeout": float("nan")},
-        {"connect_session_id": SESSION},
         {"connect_operation_id": OPERATION},
         {"connect_session_id": "", "connect_operation_id": OPERATION},
         {"connect_session_id": SESSION, "connect_operation_id": "not-a-uuid"},
