@@ -18,11 +18,12 @@ from typing import Any
 
 from airflow_provider_torchdist import __version__
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.spark.protocol import connect_operation, split_operation
+from airflow_provider_torchdist.spark.protocol import canonical_uuid, connect_operation, split_operation
 
 RECORD_KEY = "torchdist_run"
 RECORD_VERSION = 1
-#: Set only for a Spark Connect run whose job has started (absent from records of earlier releases).
+#: Set only for a Spark Connect run: the session from its start, the operation once its job reports
+#: (absent from records of earlier releases).
 CONNECT_FIELDS = frozenset({"connect_session_id", "connect_operation_id"})
 
 
@@ -52,7 +53,7 @@ class RunRecord:
 
     def with_session(self, session_id: str) -> RunRecord:
         """This record with the Spark Connect session the run's job goes to (no operation yet)."""
-        if split_operation(f"{session_id}/{session_id}") is None:
+        if canonical_uuid(session_id) is None:
             raise ValueError(f"{session_id!r} is not a Spark Connect session id")
         return replace(self, connect_session_id=session_id, connect_operation_id=None)
 
@@ -86,11 +87,10 @@ class RunRecord:
             type(record.port) is int and 0 < record.port < 65536,
             type(record.durable) is bool,
             type(record.reattach_timeout) in (int, float) and record.reattach_timeout > 0,
-            (record.connect_session_id, record.connect_operation_id) == (None, None)
-            or split_operation(
-                f"{record.connect_session_id}/{record.connect_operation_id or record.connect_session_id}"
-            )
-            is not None,
+            canonical_uuid(record.connect_session_id) is not None
+            if record.connect_session_id is not None
+            else record.connect_operation_id is None,
+            record.connect_operation_id is None or canonical_uuid(record.connect_operation_id) is not None,
         )
         if not all(checks):
             raise InvalidTrainingConfig(f"The task's stored run record {data!r} is malformed; clear it.")

@@ -41,8 +41,8 @@ from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spark.network import route_address
 from airflow_provider_torchdist.spark.outcome import Outcome
 from airflow_provider_torchdist.spark.owner import read_owner_token, write_channel_address
-from airflow_provider_torchdist.spark.private_files import write_private_text
-from airflow_provider_torchdist.spark.protocol import connect_operation
+from airflow_provider_torchdist.spark.private_files import write_private_bytes, write_private_text
+from airflow_provider_torchdist.spark.protocol import canonical_uuid, connect_operation
 from airflow_provider_torchdist.spark.rank_logs import rank_filter
 from airflow_provider_torchdist.spark.slots import SlotsUnavailable
 from airflow_provider_torchdist.spark.spark_context import first_line
@@ -192,9 +192,8 @@ def check_payload_size(size: int, spark: Any) -> None:
         limit = int(spark.conf.get("spark.connect.grpc.maxInboundMessageSize", str(DEFAULT_MAX_MESSAGE)))
     if size + PLAN_ROOM > limit:
         raise ValueError(
-            f"the training payload (the pickled callable with its args and kwargs, or the script, and "
-            f"py_files) is "
-            f"{size / 2**20:.1f} MiB, and a Spark Connect job carries it in its plan, which this server takes "
+            "the training payload (the pickled callable with its args and kwargs, or the script, and "
+            f"py_files) is {size / 2**20:.1f} MiB, and a Spark Connect job carries it in its plan, which this server takes "
             f"up to {limit / 2**20:.0f} MiB (spark.connect.grpc.maxInboundMessageSize). Pass large data by "
             "path instead (a file or train_data the executors read), or raise that setting on the server."
         )
@@ -268,14 +267,14 @@ def connect_node_task(
 
     directory = tempfile.mkdtemp(prefix=f"torchdist-connect-{os.getpid()}-")  # 0700
     try:
-        shipped = [write_private_bytes(directory, name, data) for name, data in py_files]
-        # As spark-submit's --py-files: first on the worker's sys.path, which the ranks (started
-        # by torchrun's agent with the spawn method) get as theirs.
+        shipped = [private_file(directory, name, data) for name, data in py_files]
+        # As spark-submit's --py-files: first on the worker's sys.path, which the ranks (forked by
+        # torchrun's agent) inherit.
         # A .py file is a module in its directory; a zip or egg is a path entry itself.
         entries = [p for p in shipped if not p.endswith(".py")]
         sys.path[:0] = [directory, *entries] if len(entries) < len(shipped) else entries
         # Module mode ships no entry: the module comes from py_files or the executors' Python.
-        path = directory if spec.kind == "module" else write_private_bytes(directory, spec.entry, entry)
+        path = directory if spec.kind == "module" else private_file(directory, spec.entry, entry)
         # Rank 0 writes its value in place when this client's staging directory is on its machine
         # too (a server beside this worker), else streams it over the channel.
         for result in barrier_task(
@@ -291,13 +290,9 @@ def connect_node_task(
         sys.path[:] = import_path  # nor this run's py_files
 
 
-def write_private_bytes(directory: str, name: str, data: bytes) -> str:
-    """``data`` as a new 0600 file ``directory/<basename of name>``; returns its path."""
-    path = os.path.join(directory, os.path.basename(name))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    return path
+def private_file(directory: str, name: str, data: bytes) -> str:
+    """``data`` in the 0600 file ``directory/<basename of name>``; returns its path."""
+    return str(write_private_bytes(Path(directory, os.path.basename(name)), data))
 
 
 def session_cache() -> Path:
@@ -335,10 +330,7 @@ def planned_session_id(url: str) -> str | None:
     for param in url.partition("/;")[2].split(";"):
         name, _, value = param.partition("=")
         if name == "session_id":
-            try:
-                return str(uuid.UUID(value)) if str(uuid.UUID(value)) == value else None
-            except ValueError:
-                return None
+            return canonical_uuid(value)
     return shared_session_id(url, session_cache())
 
 

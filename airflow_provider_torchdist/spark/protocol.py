@@ -299,17 +299,23 @@ def connect_operation(session_id: str, operation_id: str) -> str:
     return f"{session_id}/{operation_id}"
 
 
+def canonical_uuid(text: Any) -> str | None:
+    """``text`` when it is a UUID in canonical form (lowercase, hyphenated), as Spark Connect's
+    session and operation ids are; None otherwise (other spellings of a UUID included)."""
+    try:
+        return text if isinstance(text, str) and str(uuid.UUID(text)) == text else None
+    except ValueError:
+        return None
+
+
 def split_operation(text: Any) -> tuple[str, str] | None:
-    """``(session id, operation id)`` of :func:`connect_operation`'s text; None when it is not one
-    (both are UUIDs, as Spark Connect requires)."""
+    """``(session id, operation id)`` of :func:`connect_operation`'s text; None when it is not one."""
     if not isinstance(text, str):
         return None
     session_id, _, operation_id = text.partition("/")
-    try:
-        ids = (str(uuid.UUID(session_id)), str(uuid.UUID(operation_id)))
-    except ValueError:
+    if canonical_uuid(session_id) is None or canonical_uuid(operation_id) is None:
         return None
-    return ids if ids == (session_id, operation_id) else None
+    return session_id, operation_id
 
 
 def output_meta(msg: Output | OutputFile) -> dict[str, Any]:

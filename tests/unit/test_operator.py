@@ -351,74 +351,21 @@ def test_a_retry_that_finds_the_supervisor_gone_ends_what_the_run_left_on_a_conn
     assert op.get_job_status(record.to_dict(), {}) == "gone"  # said as a warning; the new run goes on
 
 
-def test_a_connect_runs_operation_joins_the_record_in_the_task_state_store():
-    from types import SimpleNamespace
-
-    from airflow_provider_torchdist.run_record import RECORD_KEY, RunRecord
-
-    operation = "0b8f1c57-6f0e-4a43-9d3e-2a4c1f6b9d10/5f2d7a61-1c4b-4e8e-8f57-0c9a3b2e6d44"
-    record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
-    stored: dict = {}
-    store = SimpleNamespace(set=stored.__setitem__)
-    op = _op()
-
-    def follow(record, handle):
-        hook.on_operation(operation)  # what the run's app event calls
-        return None
-
-    hook = SimpleNamespace(
-        follow=follow,
-        metrics=[],
-        spec=op.training_spec(),
-        on_application=None,
-        on_operation=None,
-        world_sizes=[],
-        run_status=None,
-    )
-    op._hook = hook
-    op._follow(record, {"ti": FakeTI(), "task_state_store": store})
-    assert RunRecord.from_dict(stored[RECORD_KEY]) == record.with_operation(operation)
-
-
 OPERATION = "0b8f1c57-6f0e-4a43-9d3e-2a4c1f6b9d10/5f2d7a61-1c4b-4e8e-8f57-0c9a3b2e6d44"
 
 
-def test_an_owner_hands_a_connect_runs_operation_from_its_app_event_to_the_hook():
-    from airflow_provider_torchdist import TorchDistributorHook
-    from airflow_provider_torchdist.lifeline import AppEvent, DoneEvent, RunStatus
-    from airflow_provider_torchdist.run_owner import follow_to_end
-
-    owner = type(
-        "Owner",
-        (),
-        {
-            "events": lambda self: iter(
-                [AppEvent("local-1", None, OPERATION), DoneEvent(RunStatus("succeeded"))]
-            )
-        },
-    )()
-    hook = TorchDistributorHook(num_processes=2)
-    links, operations = [], []
-    hook.on_application, hook.on_operation = links.append, operations.append
-    status = follow_to_end(owner, "run-1", on_line=print, on_application=hook._application_started)
-    assert status.state == "succeeded"
-    assert [link.app_id for link in links] == ["local-1"] and operations == [OPERATION]
-
-
-def test_a_failed_write_of_the_operation_to_the_state_store_does_not_fail_the_run():
+def _follow_with_operation(store) -> tuple:
+    """``_follow`` of a run whose app event names OPERATION, with ``store`` as the task's state store;
+    returns the record followed and what ``_follow`` returned."""
     from types import SimpleNamespace
 
     from airflow_provider_torchdist.run_record import RunRecord
 
     record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
-
-    def unavailable(key, value):
-        raise RuntimeError("state store: 503")
-
     op = _op()
 
     def follow(record, handle):
-        hook.on_operation(OPERATION)
+        hook.on_operation(OPERATION)  # what the run's app event calls
         return "value"
 
     hook = SimpleNamespace(
@@ -431,9 +378,41 @@ def test_a_failed_write_of_the_operation_to_the_state_store_does_not_fail_the_ru
         run_status=None,
     )
     op._hook = hook
-    assert (
-        op._follow(record, {"ti": FakeTI(), "task_state_store": SimpleNamespace(set=unavailable)}) == "value"
-    )
+    return record, op._follow(record, {"ti": FakeTI(), "task_state_store": store})
+
+
+def test_a_connect_runs_operation_joins_the_record_in_the_task_state_store():
+    from types import SimpleNamespace
+
+    from airflow_provider_torchdist.run_record import RECORD_KEY, RunRecord
+
+    stored: dict = {}
+    record, _ = _follow_with_operation(SimpleNamespace(set=stored.__setitem__))
+    assert RunRecord.from_dict(stored[RECORD_KEY]) == record.with_operation(OPERATION)
+
+
+def test_a_failed_write_of_the_operation_to_the_state_store_does_not_fail_the_run():
+    from types import SimpleNamespace
+
+    def unavailable(key, value):
+        raise RuntimeError("state store: 503")
+
+    assert _follow_with_operation(SimpleNamespace(set=unavailable))[1] == "value"
+
+
+def test_an_owner_hands_a_connect_runs_operation_from_its_app_event_to_the_hook():
+    from airflow_provider_torchdist import TorchDistributorHook
+    from airflow_provider_torchdist.lifeline import AppEvent, DoneEvent, RunStatus
+    from airflow_provider_torchdist.run_owner import follow_to_end
+
+    events = [AppEvent("local-1", None, OPERATION), DoneEvent(RunStatus("succeeded"))]
+    owner = type("Owner", (), {"events": lambda self: iter(events)})()
+    hook = TorchDistributorHook(num_processes=2)
+    links, operations = [], []
+    hook.on_application, hook.on_operation = links.append, operations.append
+    status = follow_to_end(owner, "run-1", on_line=print, on_application=hook._application_started)
+    assert status.state == "succeeded"
+    assert [link.app_id for link in links] == ["local-1"] and operations == [OPERATION]
 
 
 def test_a_deferred_run_whose_supervisor_is_gone_has_its_connect_job_interrupted(monkeypatch):
