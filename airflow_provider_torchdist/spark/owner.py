@@ -15,14 +15,15 @@ Instead of scraping ``spark-submit``'s stdout, the hook connects to the driver's
                elif isinstance(event, Application): push_link(event.app_id, event.ui_url)
                elif isinstance(event, Metric): metrics.append(event.record)
 
-An owner first gets the application event (once known) and the last ``REPLAY_LINES`` log lines,
-then the live stream; ``events()`` ends when the driver closes the channel. The driver's side of
+An owner first gets the application event (once known), then the last ``REPLAY_LINES`` log lines
+and every metric record so far, in the order they happened, then the live stream; ``events()`` ends when the driver closes the channel. The driver's side of
 the stream is :class:`OwnerHub`. Standard library only: the hook imports this module too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import json
 import queue
 import secrets
@@ -167,7 +168,14 @@ class OwnerHub:
 
     def __init__(self, replay_lines: int = REPLAY_LINES, queue_limit: int = OWNER_QUEUE_LIMIT) -> None:
         self._lock = threading.Lock()
-        self._lines: deque[LogLine] = deque(maxlen=replay_lines)
+        # Lines and metrics are numbered as published, so a late owner's replay keeps their order.
+        self._seq = 0
+        self._lines: deque[tuple[int, LogLine]] = deque(maxlen=replay_lines)
+        # Every metric, not only the latest: an owner that connects after the ranks' first reports
+        # (a supervisor's follower slowed by a loaded machine) would otherwise never see them, and
+        # the Training view would miss those points for the whole run. The channel's ledger keeps
+        # them all too, so this bounds nothing new.
+        self._metrics: list[tuple[int, Metric]] = []
         self._application: Application | None = None
         self._subscribers: list[_Subscriber] = []
         self._queue_limit = queue_limit
@@ -177,8 +185,11 @@ class OwnerHub:
         with self._lock:
             if self._closed:
                 return
+            self._seq += 1
             if isinstance(event, LogLine):
-                self._lines.append(event)
+                self._lines.append((self._seq, event))
+            elif isinstance(event, Metric):
+                self._metrics.append((self._seq, event))
             elif isinstance(event, Application):
                 self._application = event
             for sub in self._subscribers:
@@ -194,7 +205,8 @@ class OwnerHub:
             if self._closed:
                 return
             replay: list[OwnerEvent] = [self._application] if self._application else []
-            sub = _Subscriber(replay + list(self._lines))
+            replay += [event for _, event in heapq.merge(self._lines, self._metrics, key=lambda x: x[0])]
+            sub = _Subscriber(replay)
             self._subscribers.append(sub)
         conn.settimeout(OWNER_SEND_TIMEOUT_S)
         try:

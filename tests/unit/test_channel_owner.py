@@ -150,6 +150,27 @@ def test_an_owner_gets_metrics_as_records_and_lines(tmp_path):
     assert follower.events == [Metric(record), LogLine("[metrics] rank 0 step 3: loss=0.5")]
 
 
+def test_a_late_owner_gets_every_metric_reported_before_it_connected(tmp_path):
+    """Issue 29: the supervisor's follower can connect after the ranks' first reports (a loaded
+    machine); the Training view's live figures come from what it got, so the replay must hold every
+    metric so far, not only the log lines, in the order they happened."""
+    records = [{"rank": 0, "step": step, "time": float(step), "loss": 1.0 / (step + 1)} for step in range(4)]
+    with make_channel(tmp_path, io.StringIO()) as channel:
+        rank = rank_of(channel)
+        for record in records[:3]:
+            rank.send(Metric(record))
+        wait_until(lambda: len(channel.metrics) == 3, what="the early reports")
+        late = Follower(channel)
+        wait_until(lambda: len(late.events) == 6, what="the replay")
+        rank.send(Metric(records[3]))
+        rank.close()
+        wait_until(lambda: len(late.events) == 8, what="the live report")
+    assert late.ended()
+    assert [e.record for e in late.events if isinstance(e, Metric)] == records
+    # In order: each metric record, then its log line.
+    assert [type(e).__name__ for e in late.events] == ["Metric", "LogLine"] * 4
+
+
 def test_several_owners_get_the_same_stream(tmp_path):
     with make_channel(tmp_path, io.StringIO()) as channel:
         followers = [Follower(channel) for _ in range(3)]
