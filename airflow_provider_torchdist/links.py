@@ -18,6 +18,8 @@ from airflow.providers.common.compat.sdk import BaseOperatorLink, XCom
 SPARK_UI_XCOM_KEY = "spark_ui_url"
 SPARK_MASTER_APP_XCOM_KEY = "spark_master_app_url"
 SPARK_HISTORY_XCOM_KEY = "spark_history_url"
+#: Every link's key; an empty URL under one means "no such page" (the link shows nothing).
+LINK_XCOM_KEYS = (SPARK_UI_XCOM_KEY, SPARK_MASTER_APP_XCOM_KEY, SPARK_HISTORY_XCOM_KEY)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -25,6 +26,8 @@ RECORD_VERSION = 1
 #: Set only for a Spark Connect run: the session from its start, the operation once its job reports
 #: (absent from records of earlier releases).
 CONNECT_FIELDS = frozenset({"connect_session_id", "connect_operation_id"})
+#: Fields a record of an earlier release may lack.
+OPTIONAL_FIELDS = CONNECT_FIELDS | {"deadline"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,10 @@ class RunRecord:
     provider_version: str = __version__
     connect_session_id: str | None = None
     connect_operation_id: str | None = None
+    #: When the task's ``execution_timeout`` ends the run (seconds since the epoch), None without
+    #: one: set from the try that started the run, so that a try resumed after a deferral, or a
+    #: durable retry that takes the run over, gets what is left of it, not a fresh timeout.
+    deadline: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,7 +75,7 @@ class RunRecord:
     def from_dict(cls, data: Any) -> RunRecord:
         """A record as :meth:`to_dict` stored it; refused, saying why, when it is not one of ours."""
         names = {f.name for f in fields(cls)}
-        if not isinstance(data, dict) or not names - CONNECT_FIELDS <= set(data):
+        if not isinstance(data, dict) or not names - OPTIONAL_FIELDS <= set(data):
             raise InvalidTrainingConfig(
                 f"The task's stored run record {data!r} is not one this provider wrote (fields {sorted(names)} "
                 "expected). Clear the task's state (task_state_store key 'torchdist_run') to start afresh."
@@ -91,6 +98,12 @@ class RunRecord:
             if record.connect_session_id is not None
             else record.connect_operation_id is None,
             record.connect_operation_id is None or canonical_uuid(record.connect_operation_id) is not None,
+            record.deadline is None
+            or (
+                type(record.deadline) in (int, float)
+                and math.isfinite(record.deadline)
+                and record.deadline > 0
+            ),
         )
         if not all(checks):
             raise InvalidTrainingConfig(f"The task's stored run record {data!r} is malformed; clear it.")

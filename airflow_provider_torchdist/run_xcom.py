@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from airflow_provider_torchdist import run_paths
 from airflow_provider_torchdist.lifeline.run_state import newest_that_fit
-from airflow_provider_torchdist.links import ApplicationLinks
+from airflow_provider_torchdist.links import LINK_XCOM_KEYS, ApplicationLinks
 from airflow_provider_torchdist.results import origin_of, output_to_xcom
 from airflow_provider_torchdist.spec import TrainingSpec
 
@@ -111,6 +111,14 @@ class ThrottledPush:
                 self._timer = None
             if final is not None:
                 self._push(final)
+
+
+def push_link_placeholders(ti: Any) -> None:
+    """An empty URL under every link key, before the run starts. Airflow reads each extra link's
+    XCom at the end of the try, and its API client logs a missing XCom at error level: a run whose
+    application has no master or history page (or never started) would log errors otherwise."""
+    for key in LINK_XCOM_KEYS:
+        ti.xcom_push(key=key, value="")
 
 
 def link_pusher(ti: Any) -> Callable[[ApplicationLinks], None]:

@@ -9,6 +9,7 @@ plans the run from it.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,12 +33,20 @@ from airflow_provider_torchdist.run_owner import (
     stop_abandoned,
 )
 from airflow_provider_torchdist.run_record import RECORD_KEY, RunRecord
+from airflow_provider_torchdist.run_timeout import (
+    TRIGGER_TIMEOUT_MARGIN_S,
+    DeadlineWatch,
+    seconds_left,
+    timeout_error,
+    try_deadline,
+)
 from airflow_provider_torchdist.run_xcom import METRICS_XCOM_KEY as METRICS_XCOM_KEY  # public since 0.1
 from airflow_provider_torchdist.run_xcom import WORLD_SIZES_XCOM_KEY as WORLD_SIZES_XCOM_KEY
 from airflow_provider_torchdist.run_xcom import (
     link_pusher,
     metrics_pusher,
     output_handler,
+    push_link_placeholders,
     push_world_sizes,
 )
 from airflow_provider_torchdist.settings_checks import build_spec, check_settings
@@ -52,6 +61,11 @@ from airflow_provider_torchdist.triggers.torch_distributor import TorchDistribut
 from airflow_provider_torchdist.validation import check_args, check_train_object, is_template
 
 path_component = run_paths.path_component  # public since 0.1
+#: What Airflow's scheduler stores for a deferred task whose trigger timed out (``next_method`` and
+#: ``next_kwargs["error"]``): values kept in the metadata DB, so stable across releases, while the
+#: constants naming them are Airflow's internals.
+AIRFLOW_TRIGGER_FAIL = "__fail__"
+AIRFLOW_TRIGGER_TIMEOUT = "Trigger timeout"
 #: The ``[openlineage]`` options that default the OpenLineage settings, as for SparkSubmitOperator's
 #: arguments of the same names.
 OPENLINEAGE_DEFAULTS = {
@@ -90,7 +104,10 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
 
     # ``kwargs`` cannot be a template field: Airflow 3 refuses to serialize a DAG whose operator
     # templates a name of BaseOperator.__init__'s parameters, and its **kwargs counts.
-    template_fields: Sequence[str] = ("train_object", "train_args", "train_kwargs", *templated_settings())
+    # ``train_object`` is not one either: Airflow calls a callable template field with the context
+    # (``_do_render_template_fields``, which a mapped task reaches without any override of ours),
+    # and a training callable is the work itself. Only a script path renders, as ``train_script``.
+    template_fields: Sequence[str] = ("train_script", "train_args", "train_kwargs", *templated_settings())
     template_fields_renderers = {"conf": "json", "train_kwargs": "json", "train_args": "json"}
     ui_color = "#ee4c2c"
     #: Where the run's record lives in ``task_state_store`` between tries (ResumableJobMixin).
@@ -107,6 +124,8 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
     ) -> None:
         settings = {name: base_kwargs.pop(name) for name in list(base_kwargs) if name in SETTINGS}
         super().__init__(**base_kwargs)
+        self.train_callable: Callable[..., Any] | None = None
+        self.train_script: Any = None
         self.train_object = train_object
         self.train_args = args
         self.train_kwargs = kwargs
@@ -170,23 +189,26 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
             spec = dataclasses.replace(spec, conf=conf)
         return spec
 
-    def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:
-        # Airflow calls a callable template field as ``value(context=..., jinja_env=...)``; a
-        # training callable is the work itself, not a template, so only a script path renders.
-        train_object = self.train_object
-        if callable(train_object):
-            self.train_object = None
-        try:
-            super().render_template_fields(context, jinja_env)
-        finally:
-            if callable(train_object):
-                self.train_object = train_object
+    @property
+    def train_object(self) -> Any:
+        """The work: the training callable, or the (rendered) path of its script."""
+        return self.train_callable if self.train_callable is not None else self.train_script
+
+    @train_object.setter
+    def train_object(self, value: Any) -> None:
+        # A callable is kept out of the template fields; anything else (a path, a template, an
+        # XComArg) is the templated ``train_script``.
+        if callable(value):
+            self.train_callable, self.train_script = value, None
+        else:
+            self.train_callable, self.train_script = None, value
 
     def make_hook(self, context: Any = None) -> TorchDistributorHook:
         return TorchDistributorHook(spec=self.training_spec(context))
 
     def execute(self, context: Any) -> Any:
         self._check_work(at_parse_time=False)
+        push_link_placeholders(context["ti"])
         self._hook = self.make_hook(context)
         if callable(self.train_object):  # a script returns None: nothing is ever stored
             check_output_path(run_paths.output_base(self._hook.spec.output_path))
@@ -203,9 +225,13 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
             except Exception:
                 stop_abandoned(record, context["ti"].try_number <= (self.retries or 0), self.log)
                 raise
+            left = seconds_left(record.deadline)
             self.defer(
                 trigger=TorchDistributorTrigger(record.to_dict()),
                 method_name="execute_complete",
+                # The trigger stops the run at its deadline itself; Airflow's trigger timeout, a
+                # little later, fails the task should no triggerer be there to (resume_execution).
+                timeout=None if left is None else dt.timedelta(seconds=left + TRIGGER_TIMEOUT_MARGIN_S),
             )
         return self.execute_resumable(context)
 
@@ -221,7 +247,8 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
             durable=self.durable,
             reattach_timeout=self._hook_spec().reattach_timeout,
         )
-        return record.to_dict()
+        deadline = try_deadline(context["ti"], self.execution_timeout)
+        return dataclasses.replace(record, deadline=deadline).to_dict()
 
     def get_job_status(self, external_id: Any, context: Any) -> str:
         """The stored run's state (``"gone"`` when its supervisor is not there any more). A failed
@@ -284,6 +311,8 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         self._hook = self.make_hook(context)
         state = event.get("state")
         record = RunRecord.from_dict(event["record"])
+        if state == "timeout":  # the trigger stopped the run at its deadline
+            raise timeout_error(record.run_id, record.deadline or 0.0, "while the task was deferred")
         if state in ("error", "gone"):
             if state == "error":
                 # The task fails: a run still there would hold its application and checkpoint lock
@@ -296,6 +325,22 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
                 self._end_lost_run(record)
             raise SparkSubmitFailed(f"Waiting for the training run failed: {event.get('message') or state}")
         return self._follow(record, context)
+
+    def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Any) -> Any:
+        """Airflow's own trigger timeout (``defer(timeout=...)``) fails a deferred task without a
+        word to the trigger: stop the run from its record first, then fail as a timeout."""
+        error = (next_kwargs or {}).get("error")
+        if next_method == AIRFLOW_TRIGGER_FAIL and error == AIRFLOW_TRIGGER_TIMEOUT:
+            store = context.get("task_state_store")
+            stored = store.get(self.external_id_key) if store is not None else None
+            if stored:
+                record = RunRecord.from_dict(stored)
+                try:
+                    end_run(record, timeout=15.0)
+                except Exception as exc:  # the timeout is the task's error; say this one too
+                    self.log.warning("Could not stop run %s at its timeout: %s", record.run_id, exc)
+                raise timeout_error(record.run_id, record.deadline or 0.0, "while the task was deferred")
+        return super().resume_execution(next_method, next_kwargs, context)
 
     def _record_operation(self, store: Any, record: RunRecord, operation: str) -> None:
         """A Connect run's operation (and the session it ran in) into its record, for a retry that
@@ -339,7 +384,15 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         hook.on_metrics = metrics.offer
         followed = False
         try:
-            value = hook.follow(record, output_handler(ti, hook.spec))
+            with DeadlineWatch(record.deadline, lambda: hook.on_kill()) as watch:
+                try:
+                    value = hook.follow(record, output_handler(ti, hook.spec))
+                except Exception as exc:
+                    if watch.expired:  # the run failed because the watch stopped it
+                        raise timeout_error(
+                            record.run_id, record.deadline or 0.0, "while it trained"
+                        ) from exc
+                    raise
             followed = True
         except Exception:
             stop_abandoned(record, context["ti"].try_number <= (self.retries or 0), self.log)

@@ -27,6 +27,9 @@ Connect run's operation added once the trigger has seen it):
 
 - ``{"state": "succeeded" | "failed", "status": RunStatus.to_dict()}``: the run ended;
 - ``{"state": "gone", "message": ...}``: no supervisor answered for ``reattach_timeout``;
+- ``{"state": "timeout", "message": ...}``: the record's ``deadline`` (the task's
+  ``execution_timeout``) passed while the task was deferred; the trigger stopped the run
+  (as ``on_kill`` does) and the task fails with ``AirflowTaskTimeout``;
 - ``{"state": "error", "message": ...}``: the supervisor refused the credential, it cannot be derived,
   or the trigger itself failed (the task then stops the run).
 """
@@ -55,6 +58,7 @@ from airflow_provider_torchdist.lifeline import (
     RunStatus,
 )
 from airflow_provider_torchdist.run_record import RunRecord, owner_secret
+from airflow_provider_torchdist.run_timeout import seconds_left
 
 CLASSPATH = "airflow_provider_torchdist.triggers.torch_distributor.TorchDistributorTrigger"
 #: The longest wait between two connection attempts.
@@ -108,35 +112,55 @@ class TorchDistributorTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         try:
-            async for event in self._own_until_done():
-                yield event
+            yield await self._outcome_by_deadline()
         except Exception as exc:  # never a bare traceback: the task needs the record to stop the run
             self.log.exception("Waiting for run %s failed", self._record.run_id)
             yield self._event(
                 "error", message=f"the trigger failed while waiting for the run: {type(exc).__name__}: {exc}"
             )
 
-    async def _own_until_done(self) -> AsyncIterator[TriggerEvent]:
+    async def _outcome_by_deadline(self) -> TriggerEvent:
+        """The run's outcome; at the record's deadline (the task's ``execution_timeout``), the run is
+        stopped instead and the event is ``timeout``."""
+        left = seconds_left(self._record.deadline)
+        if left is None:
+            return await self._outcome()
+        waiting = asyncio.ensure_future(self._outcome())
+        done, _ = await asyncio.wait({waiting}, timeout=left)
+        if done:
+            return waiting.result()
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        record = self._record
+        self.log.warning(
+            "Run %s passed the task's execution_timeout while the task was deferred: stopping it.",
+            record.run_id,
+        )
+        await self.on_kill()
+        return self._event(
+            "timeout",
+            message=f"run {record.run_id} passed the task's execution_timeout while the task was deferred",
+        )
+
+    async def _outcome(self) -> TriggerEvent:
         record = self._record
         try:
             secret = await self._owner_secret()
         except Exception as exc:  # a missing, short or unreadable key, a failing secrets backend
-            yield self._event(
+            return self._event(
                 "error",
                 message=f"Cannot derive the owner credential of run {record.run_id} from the deployment's "
                 f"signing key ([torchdist] output_signing_key): {exc}",
             )
-            return
         since = 0
         while True:
             try:
                 connection = await self._connect(secret, since)
             except _Unreachable as exc:
-                yield self._event("gone", message=str(exc))
-                return
+                return self._event("gone", message=str(exc))
             except LifelineError as exc:
-                yield self._event("error", message=self._refused(exc))
-                return
+                return self._event("error", message=self._refused(exc))
             status: RunStatus | None = connection.status
             since = max(since, status.last_seq)
             if not status.ended:
@@ -152,7 +176,7 @@ class TorchDistributorTrigger(BaseTrigger):
                 "Could not detach from run %s (%s); it keeps its result anyway.", record.run_id, exc
             )
         await self._close()
-        yield self._event(status.state, status=status.to_dict())
+        return self._event(status.state, status=status.to_dict())
 
     async def _wait_for_done(
         self, connection: AsyncOwnerConnection, since: int

@@ -91,7 +91,8 @@ def test_kwargs_are_stored_as_train_kwargs_and_not_a_template_field():
     assert op.train_args == [1]
     assert "kwargs" not in op.template_fields
     assert "args" not in op.template_fields
-    assert {"train_kwargs", "train_args", "train_object", "num_processes", "conf"} <= set(op.template_fields)
+    assert {"train_kwargs", "train_args", "train_script", "num_processes", "conf"} <= set(op.template_fields)
+    assert "train_object" not in op.template_fields  # a callable template field is called by Airflow
 
 
 # -- after rendering ----------------------------------------------------------------------------
@@ -206,7 +207,14 @@ def test_execute_returns_xcom_value_and_pushes_metrics(faked_spark):
     assert torch.equal(load_output(value, expect={"run_id": "manual__1"}), torch.arange(3) * 2.0)
     with pytest.raises(OutputSignatureError, match="comes from run_id='manual__1'"):
         load_output(value, expect={"run_id": "manual__2"})
-    assert ti.pushed == {METRICS_XCOM_KEY: [{"rank": 0, "step": 0, "loss": 1.0}], WORLD_SIZES_XCOM_KEY: []}
+    # Every link key holds a URL or "" (Airflow logs a missing XCom at error level when it reads a link).
+    assert ti.pushed == {
+        METRICS_XCOM_KEY: [{"rank": 0, "step": 0, "loss": 1.0}],
+        WORLD_SIZES_XCOM_KEY: [],
+        "spark_ui_url": "",
+        "spark_master_app_url": "",
+        "spark_history_url": "",
+    }
     spec = faked_spark.spec
     assert (spec.num_processes, spec.nproc_per_node) == (4, 2)
     [hook] = faked_spark.hooks
@@ -429,3 +437,108 @@ def test_a_deferred_run_whose_supervisor_is_gone_has_its_connect_job_interrupted
     with pytest.raises(SparkSubmitFailed, match="no supervisor answered"):
         op.execute_complete({"ti": FakeTI()}, event)
     assert lost == [record]
+
+
+# -- execution_timeout over the whole run (run_timeout) --------------------------------------------
+
+
+def _record(**fields):
+    from airflow_provider_torchdist.run_record import RunRecord
+
+    return RunRecord(
+        run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0, **fields
+    )
+
+
+def test_a_runs_deadline_is_its_tries_start_plus_execution_timeout():
+    import datetime as dt
+    from types import SimpleNamespace
+
+    from airflow_provider_torchdist.run_record import RunRecord
+
+    started = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    ti = FakeTI()
+    ti.start_date = started
+    op = _op(execution_timeout=dt.timedelta(seconds=45))
+    op._hook = SimpleNamespace(start_run=lambda *a, **k: _record(), spec=op.training_spec())
+    record = RunRecord.from_dict(op.submit_job({"ti": ti}))
+    assert record.deadline == started.timestamp() + 45
+    op = _op()  # no execution_timeout: no deadline
+    op._hook = SimpleNamespace(start_run=lambda *a, **k: _record(), spec=op.training_spec())
+    assert RunRecord.from_dict(op.submit_job({"ti": ti})).deadline is None
+
+
+def test_a_run_past_its_deadline_while_followed_is_stopped_and_the_try_times_out():
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from airflow.providers.common.compat.sdk import AirflowTaskTimeout
+
+    from airflow_provider_torchdist.errors import SparkSubmitFailed
+
+    stopped = threading.Event()
+
+    def follow(record, handle):  # the run trains until it is stopped
+        assert stopped.wait(10), "the run was never stopped"
+        raise SparkSubmitFailed("the run failed: stopped by its owner")
+
+    op = _op()
+    op._hook = SimpleNamespace(
+        follow=follow, on_kill=stopped.set, metrics=[], spec=op.training_spec(), on_application=None
+    )
+    started = time.monotonic()
+    with pytest.raises(AirflowTaskTimeout, match="Run run-1 passed the task's execution_timeout"):
+        op._follow(_record(deadline=time.time() + 0.5), {"ti": FakeTI()})
+    assert 0.4 < time.monotonic() - started < 5
+
+
+def test_a_run_ending_before_its_deadline_is_not_stopped():
+    import time
+    from types import SimpleNamespace
+
+    kills = []
+    op = _op()
+    op._hook = SimpleNamespace(
+        follow=lambda record, handle: {"ok": 1},
+        on_kill=lambda: kills.append(1),
+        metrics=[],
+        spec=op.training_spec(),
+        on_application=None,
+        world_sizes=[],
+        run_status=None,
+    )
+    assert op._follow(_record(deadline=time.time() + 0.3), {"ti": FakeTI()}) == {"ok": 1}
+    time.sleep(0.5)
+    assert kills == []  # the watch ended with the follow
+
+
+def test_execute_complete_after_a_timeout_event_fails_as_a_timeout():
+    from airflow.providers.common.compat.sdk import AirflowTaskTimeout
+
+    event = {"state": "timeout", "message": "...", "record": _record(deadline=1767225600.0).to_dict()}
+    with pytest.raises(
+        AirflowTaskTimeout, match=r"Run run-1 .*2026-01-01T00:00:00\+00:00.* while the task was deferred"
+    ):
+        _op().execute_complete({"ti": FakeTI()}, event)
+
+
+def test_airflows_own_trigger_timeout_stops_the_run_from_its_record_then_times_out(monkeypatch):
+    from airflow.providers.common.compat.sdk import AirflowTaskTimeout
+
+    from airflow_provider_torchdist.operators import torch_distributor as operator_module
+
+    record = _record(deadline=1767225600.0)
+    ended = []
+    monkeypatch.setattr(operator_module, "end_run", lambda r, timeout: ended.append(r))
+    store = {"torchdist_run": record.to_dict()}
+    context = {"ti": FakeTI(), "task_state_store": store}
+    with pytest.raises(AirflowTaskTimeout, match="Run run-1"):
+        _op().resume_execution("__fail__", {"error": "Trigger timeout"}, context)
+    assert ended == [record]
+    # Another trigger failure is Airflow's to raise, as before.
+    from airflow.sdk.exceptions import TaskDeferralError
+
+    with pytest.raises(TaskDeferralError):
+        _op().resume_execution("__fail__", {"error": "Trigger failure"}, context)
+    assert ended == [record]

@@ -25,6 +25,7 @@ def test_a_record_round_trips_through_json_and_holds_no_secret():
         "provider_version",
         "connect_session_id",
         "connect_operation_id",
+        "deadline",
     }
     assert data["connect_session_id"] is None and data["connect_operation_id"] is None
 
@@ -85,11 +86,27 @@ def test_what_is_not_a_connect_operation_is_refused(operation):
         {"connect_session_id": "", "connect_operation_id": OPERATION},
         {"connect_session_id": SESSION, "connect_operation_id": "not-a-uuid"},
         {"connect_session_id": 5, "connect_operation_id": OPERATION},
+        {"deadline": "1767225600"},
+        {"deadline": True},
+        {"deadline": 0},
+        {"deadline": -5.0},
+        {"deadline": float("inf")},
+        {"deadline": float("nan")},
+        {"deadline": [1.0]},
     ],
 )
 def test_a_malformed_record_is_refused(change):
     with pytest.raises(InvalidTrainingConfig, match="malformed"):
         RunRecord.from_dict({**GOOD.to_dict(), **change})
+
+
+def test_a_records_deadline_round_trips_and_a_record_before_deadlines_is_still_read():
+    record = RunRecord.from_dict({**GOOD.to_dict(), "deadline": 1767225600.5})
+    assert record.deadline == 1767225600.5
+    assert RunRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+    data = GOOD.to_dict()
+    del data["deadline"]
+    assert RunRecord.from_dict(data).deadline is None
 
 
 @pytest.mark.parametrize("data", [None, [], "abc", {}, {"run_id": "abc123"}])

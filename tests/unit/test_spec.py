@@ -89,7 +89,7 @@ def test_hook_takes_a_ready_spec():
 
 def test_operator_template_fields_are_the_work_and_exactly_the_templated_settings():
     fields = TorchDistributorOperator.template_fields
-    assert tuple(fields) == ("train_object", "train_args", "train_kwargs", *templated_settings())
+    assert tuple(fields) == ("train_script", "train_args", "train_kwargs", *templated_settings())
     assert set(templated_settings()) == {n for n, f in SETTINGS.items() if f.metadata["templated"]}
     assert len(set(fields)) == len(fields)
     for name in TorchDistributorOperator.template_fields_renderers:

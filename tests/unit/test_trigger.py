@@ -586,3 +586,58 @@ def test_real_lifeline_torn_down_is_gone(server: tuple[LifelineServer, Recording
 
     assert [e["state"] for e in events] == ["gone"]
     assert "torn down" in events[0]["message"]
+
+
+# -- the task's execution_timeout while deferred (the record's deadline) ---------------------------
+
+
+def test_at_the_records_deadline_the_run_is_stopped_and_the_event_is_timeout(
+    lifeline: type[FakeLifeline],
+) -> None:
+    import time
+
+    connection = FakeConnection(status("running"), [HANG])
+    lifeline.script = [connection]
+    trigger = TorchDistributorTrigger(make_record() | {"deadline": time.time() + 0.5})
+
+    started = time.monotonic()
+    events = events_of(trigger)
+
+    assert 0.4 < time.monotonic() - started < 5
+    assert [e["state"] for e in events] == ["timeout"]
+    assert "run-1 passed the task's execution_timeout while the task was deferred" in events[0]["message"]
+    assert events[0]["record"]["deadline"] == trigger.record["deadline"]
+    assert connection.calls[0] == "stop"  # the run is stopped, not left to wait for an owner
+
+
+def test_a_run_that_ends_before_its_deadline_is_not_stopped(lifeline: type[FakeLifeline]) -> None:
+    import time
+
+    connection = FakeConnection(status("running"), [DoneEvent(SUCCEEDED)])
+    lifeline.script = [connection]
+
+    events = events_of(TorchDistributorTrigger(make_record() | {"deadline": time.time() + 60}))
+
+    assert [e["state"] for e in events] == ["succeeded"]
+    assert "stop" not in connection.calls
+
+
+def test_a_deadline_already_past_stops_the_run_at_once(lifeline: type[FakeLifeline]) -> None:
+    import time
+
+    lifeline.script = [FakeConnection(status("running"), [HANG]), FakeConnection(status("running"), [])]
+    events = events_of(TorchDistributorTrigger(make_record() | {"deadline": time.time() - 1}), timeout=5)
+    assert [e["state"] for e in events] == ["timeout"]
+
+
+def test_real_lifeline_deadline_stops_the_run(server: tuple[LifelineServer, RecordingOwners]) -> None:
+    import time
+
+    lifeline_server, owners = server
+    lifeline_server.state.set_running()
+    trigger = TorchDistributorTrigger(served_record(lifeline_server) | {"deadline": time.time() + 1.0})
+
+    events = events_of(trigger)
+
+    assert [e["state"] for e in events] == ["timeout"]
+    wait_until(lambda: "stop" in owners.seen, what="the supervisor to be told to stop")
