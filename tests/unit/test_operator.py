@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -542,3 +544,68 @@ def test_airflows_own_trigger_timeout_stops_the_run_from_its_record_then_times_o
     with pytest.raises(TaskDeferralError):
         _op().resume_execution("__fail__", {"error": "Trigger failure"}, context)
     assert ended == [record]
+
+
+# -- dynamic task mapping (a MappedOperator renders through Airflow's own code, not ours) ---------
+
+
+def _fit(gate, *, lr=0.1):
+    raise AssertionError("rendering must never call the training callable")
+
+
+def _other_fit(gate, *, lr=0.1):
+    raise AssertionError("rendering must never call the training callable")
+
+
+def _render_mapped(map_index: int, mapping: Any, **partial: Any) -> TorchDistributorOperator:
+    """The task Airflow's MappedOperator renders for ``map_index`` of ``mapping(partial(...))``."""
+    from types import SimpleNamespace
+
+    import pendulum
+    from airflow.sdk import DAG
+
+    with DAG("d", schedule=None, start_date=pendulum.datetime(2026, 1, 1), params={"g": "/tmp/g"}) as dag:
+        mapped = mapping(
+            TorchDistributorOperator.partial(
+                task_id="train", args=["{{ params.g }}"], local_mode=True, **partial
+            )
+        )
+    ti = SimpleNamespace(map_index=map_index, task=mapped, run_id="r", dag_id="d", task_id="train")
+    context = {"ti": ti, "task": mapped, "dag": dag, "dag_run": SimpleNamespace(conf={})}
+    mapped.render_template_fields(context)
+    return context["task"]
+
+
+@pytest.mark.parametrize(
+    "partial, mapping, expected",
+    [
+        (  # the sweep: a callable, its keyword arguments mapped
+            {"train_object": _fit},
+            lambda p: p.expand(kwargs=[{"lr": 0.1}, {"lr": 0.05}]),
+            {"train_object": _fit, "train_kwargs": {"lr": 0.05}},
+        ),
+        (
+            {"train_object": _fit},
+            lambda p: p.expand_kwargs(
+                [{"kwargs": {"lr": 0.3}, "num_processes": 1}, {"kwargs": {"lr": 0.5}, "num_processes": 3}]
+            ),
+            {"train_object": _fit, "train_kwargs": {"lr": 0.5}, "num_processes": 3},
+        ),
+        (  # the train object itself: a callable and a (templated) script
+            {},
+            lambda p: p.expand(train_object=[_other_fit, "{{ params.g }}/train.py"]),
+            {"train_object": "/tmp/g/train.py"},
+        ),
+        (  # a cross product: index 1 is the first callable with the second conf
+            {},
+            lambda p: p.expand(train_object=[_other_fit, _fit], conf=[{"a": "1"}, {"spark.task.cpus": "2"}]),
+            {"train_object": _other_fit, "conf": {"spark.task.cpus": "2"}},
+        ),
+    ],
+)
+def test_a_mapped_task_renders_and_never_calls_its_callable(partial, mapping, expected):
+    task = _render_mapped(1, mapping, **partial)
+    assert task.train_args == ["/tmp/g"]
+    for name, value in expected.items():
+        assert getattr(task, name) == value, name
+    assert task.training_spec().local_mode is True
