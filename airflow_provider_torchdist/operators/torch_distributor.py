@@ -312,6 +312,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         state = event.get("state")
         record = RunRecord.from_dict(event["record"])
         if state == "timeout":  # the trigger stopped the run at its deadline
+            self._end_timed_out(record)
             raise timeout_error(record.run_id, record.deadline or 0.0, "while the task was deferred")
         if state in ("error", "gone"):
             if state == "error":
@@ -335,12 +336,17 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
             stored = store.get(self.external_id_key) if store is not None else None
             if stored:
                 record = RunRecord.from_dict(stored)
-                try:
-                    end_run(record, timeout=15.0)
-                except Exception as exc:  # the timeout is the task's error; say this one too
-                    self.log.warning("Could not stop run %s at its timeout: %s", record.run_id, exc)
+                self._end_timed_out(record)
                 raise timeout_error(record.run_id, record.deadline or 0.0, "while the task was deferred")
         return super().resume_execution(next_method, next_kwargs, context)
+
+    def _end_timed_out(self, record: RunRecord) -> None:
+        """Make sure a run stopped at its deadline is gone (its lock free for a retry) before the
+        try fails; the timeout stays the task's error."""
+        try:
+            end_run(record, timeout=15.0)
+        except Exception as exc:
+            self.log.warning("Could not make sure run %s ended at its timeout: %s", record.run_id, exc)
 
     def _record_operation(self, store: Any, record: RunRecord, operation: str) -> None:
         """A Connect run's operation (and the session it ran in) into its record, for a retry that

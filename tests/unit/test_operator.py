@@ -515,14 +515,20 @@ def test_a_run_ending_before_its_deadline_is_not_stopped():
     assert kills == []  # the watch ended with the follow
 
 
-def test_execute_complete_after_a_timeout_event_fails_as_a_timeout():
+def test_execute_complete_after_a_timeout_event_makes_sure_the_run_ended_then_times_out(monkeypatch):
     from airflow.providers.common.compat.sdk import AirflowTaskTimeout
 
-    event = {"state": "timeout", "message": "...", "record": _record(deadline=1767225600.0).to_dict()}
+    from airflow_provider_torchdist.operators import torch_distributor as operator_module
+
+    record = _record(deadline=1767225600.0)
+    ended = []
+    monkeypatch.setattr(operator_module, "end_run", lambda r, timeout: ended.append(r))
+    event = {"state": "timeout", "message": "...", "record": record.to_dict()}
     with pytest.raises(
         AirflowTaskTimeout, match=r"Run run-1 .*2026-01-01T00:00:00\+00:00.* while the task was deferred"
     ):
         _op().execute_complete({"ti": FakeTI()}, event)
+    assert ended == [record]
 
 
 def test_airflows_own_trigger_timeout_stops_the_run_from_its_record_then_times_out(monkeypatch):
