@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -26,6 +25,9 @@ RECORD_VERSION = 1
 #: Set only for a Spark Connect run: the session from its start, the operation once its job reports
 #: (absent from records of earlier releases).
 CONNECT_FIELDS = frozenset({"connect_session_id", "connect_operation_id"})
+#: The latest deadline a record may hold: the end of year 9999 (seconds since the epoch), the last
+#: moment a datetime can say; a larger one is not ours.
+LATEST_DEADLINE = 253402300799.0
 #: Fields a record of an earlier release may lack.
 OPTIONAL_FIELDS = CONNECT_FIELDS | {"deadline"}
 
@@ -99,11 +101,7 @@ class RunRecord:
             else record.connect_operation_id is None,
             record.connect_operation_id is None or canonical_uuid(record.connect_operation_id) is not None,
             record.deadline is None
-            or (
-                type(record.deadline) in (int, float)
-                and math.isfinite(record.deadline)
-                and record.deadline > 0
-            ),
+            or (type(record.deadline) in (int, float) and 0 < record.deadline <= LATEST_DEADLINE),
         )
         if not all(checks):
             raise InvalidTrainingConfig(f"The task's stored run record {data!r} is malformed; clear it.")

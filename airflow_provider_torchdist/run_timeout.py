@@ -28,6 +28,8 @@ from airflow.providers.common.compat.sdk import AirflowTaskTimeout
 #: How long after a deferred run's deadline Airflow's own trigger timeout fails the task, should
 #: the trigger not have ended the run itself (a triggerer down at that moment).
 TRIGGER_TIMEOUT_MARGIN_S = 30.0
+#: The longest a stop at the deadline may take before the task goes on without waiting for it.
+STOP_WAIT_S = 20.0
 
 
 def try_deadline(ti: Any, execution_timeout: dt.timedelta | None, now: float | None = None) -> float | None:
@@ -47,22 +49,26 @@ def seconds_left(deadline: float | None, now: float | None = None) -> float | No
     return max(0.0, deadline - (time.time() if now is None else now))
 
 
-def timeout_error(run_id: str, deadline: float, where: str) -> AirflowTaskTimeout:
+def timeout_error(run_id: str, deadline: float | None, where: str) -> AirflowTaskTimeout:
     """The try's failure when its run was stopped at its deadline (``where``: "while deferred", ...)."""
-    at = dt.datetime.fromtimestamp(deadline, dt.UTC).isoformat(timespec="seconds")
+    at = ""
+    if deadline is not None:
+        at = f" ({dt.datetime.fromtimestamp(deadline, dt.UTC).isoformat(timespec='seconds')})"
     return AirflowTaskTimeout(
-        f"Run {run_id} passed the task's execution_timeout ({at}) {where}: the run was stopped. "
+        f"Run {run_id} passed the task's execution_timeout{at} {where}: the run was stopped. "
         "Raise execution_timeout, or checkpoint so that a retry resumes where it stopped."
     )
 
 
 class DeadlineWatch:
     """Calls ``on_expiry`` once, from a timer thread, when ``deadline`` passes inside the block;
-    ``expired`` says whether it did. No deadline: nothing happens.
+    ``expired`` says whether it stopped the run (``on_expiry`` returns False when there was
+    nothing to stop: the run had ended). No deadline: nothing happens. Leaving the block waits
+    for an ``on_expiry`` under way, so the stop is sent before the task goes on.
 
     Example::
 
-        with DeadlineWatch(record.deadline, hook.on_kill) as watch:
+        with DeadlineWatch(record.deadline, lambda: hook.stop_run(record)) as watch:
             hook.follow(record, handle)   # ends once the stopped run has ended
         if watch.expired: raise timeout_error(...)
     """
@@ -78,13 +84,15 @@ class DeadlineWatch:
         return self._expired.is_set()
 
     def _fire(self) -> None:
+        # Set first: the stop ends the follow, whose error handler reads it at once.
         self._expired.set()
-        self._on_expiry()
+        if self._on_expiry() is False:
+            self._expired.clear()
 
     def __enter__(self) -> DeadlineWatch:
         left = seconds_left(self.deadline)
         if left is not None:
-            self._timer = threading.Timer(left, self._fire)
+            self._timer = threading.Timer(min(left, threading.TIMEOUT_MAX), self._fire)
             self._timer.daemon = True
             self._timer.name = "torchdist-deadline"
             self._timer.start()
@@ -93,3 +101,4 @@ class DeadlineWatch:
     def __exit__(self, *exc: object) -> None:
         if self._timer is not None:
             self._timer.cancel()
+            self._timer.join(STOP_WAIT_S)

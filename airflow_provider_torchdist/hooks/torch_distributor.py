@@ -28,6 +28,7 @@ from airflow_provider_torchdist.connect_engine import (
     submission_for,
 )
 from airflow_provider_torchdist.connection import CONN_TYPE, SparkTarget, resolve_target
+from airflow_provider_torchdist.errors import SparkSubmitFailed
 from airflow_provider_torchdist.fast_start import FastStart
 from airflow_provider_torchdist.hook_arguments import HOOK_SETTINGS, hook_signature, spec_from_arguments
 from airflow_provider_torchdist.in_process import end_submission, raise_for_outcome, submit_and_follow
@@ -270,7 +271,9 @@ class TorchDistributorHook(BaseHook):
         A failed run raises what :meth:`run` would raise. The run is released (torn down) once the
         output is handled; when ``handle`` fails, it is kept for the next owner.
         """
-        owner = self._owner if self._owner is not None and self.record == record else None
+        # The same run (its record may have gained a deadline or a Connect operation since).
+        same_run = self.record is not None and self.record.run_id == record.run_id
+        owner = self._owner if self._owner is not None and same_run else None
         if owner is None:
             owner = connect_owner(record, since=since)
         self._owner, self.record = owner, record
@@ -343,6 +346,22 @@ class TorchDistributorHook(BaseHook):
     def _stop_session(self, grace: float = 5.0) -> None:
         """End whatever is left of spark-submit's session (:func:`end_submission`)."""
         end_submission(self.submission, grace)
+
+    def stop_run(self, record: RunRecord) -> bool:
+        """Stop a followed run at its deadline, from another thread: over this hook's lifeline when
+        it owns the run, else over a new one. False when there is nothing to stop: the run has ended
+        (its result may still be on its way to this hook, and is not thrown away)."""
+        if self.run_status is not None:
+            return False
+        owner = self._owner
+        try:
+            if owner is not None and self.record is not None and self.record.run_id == record.run_id:
+                owner.stop()
+            else:
+                end_run(record, timeout=15.0)
+        except (LifelineError, OSError, SparkSubmitFailed) as exc:
+            self.log.warning("Could not stop run %s at its deadline: %s", record.run_id, exc)
+        return True
 
     def on_kill(self) -> None:
         """Stop the Spark application and every process of the run (Airflow's kill or timeout).

@@ -207,8 +207,8 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         return TorchDistributorHook(spec=self.training_spec(context))
 
     def execute(self, context: Any) -> Any:
-        self._check_work(at_parse_time=False)
         push_link_placeholders(context["ti"])
+        self._check_work(at_parse_time=False)
         self._hook = self.make_hook(context)
         if callable(self.train_object):  # a script returns None: nothing is ever stored
             check_output_path(run_paths.output_base(self._hook.spec.output_path))
@@ -276,7 +276,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
 
     def poll_until_complete(self, external_id: Any, context: Any) -> Any:
         """Own the run to its end; returns what goes to XCom (the mixin returns this on a reattach)."""
-        self._result = self._follow(RunRecord.from_dict(external_id), context)
+        self._result = self._follow(RunRecord.from_dict(external_id), context, ended=False)
         self._followed = True
         return self._result
 
@@ -284,7 +284,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         if self._followed:
             return self._result
         # An earlier try's run that succeeded and still holds its result: take it over.
-        return self._follow(RunRecord.from_dict(external_id), context)
+        return self._follow(RunRecord.from_dict(external_id), context, ended=True)
 
     # -- deferral ---------------------------------------------------------------------------------
 
@@ -313,7 +313,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         record = RunRecord.from_dict(event["record"])
         if state == "timeout":  # the trigger stopped the run at its deadline
             self._end_timed_out(record)
-            raise timeout_error(record.run_id, record.deadline or 0.0, "while the task was deferred")
+            raise timeout_error(record.run_id, record.deadline, "while the task was deferred")
         if state in ("error", "gone"):
             if state == "error":
                 # The task fails: a run still there would hold its application and checkpoint lock
@@ -325,7 +325,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
             else:
                 self._end_lost_run(record)
             raise SparkSubmitFailed(f"Waiting for the training run failed: {event.get('message') or state}")
-        return self._follow(record, context)
+        return self._follow(record, context, ended=True)  # the trigger saw it end
 
     def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Any) -> Any:
         """Airflow's own trigger timeout (``defer(timeout=...)``) fails a deferred task without a
@@ -337,7 +337,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
             if stored:
                 record = RunRecord.from_dict(stored)
                 self._end_timed_out(record)
-                raise timeout_error(record.run_id, record.deadline or 0.0, "while the task was deferred")
+                raise timeout_error(record.run_id, record.deadline, "while the task was deferred")
         return super().resume_execution(next_method, next_kwargs, context)
 
     def _end_timed_out(self, record: RunRecord) -> None:
@@ -376,13 +376,21 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         assert self._hook is not None
         return self._hook.spec
 
-    def _follow(self, record: RunRecord, context: Any) -> Any:
+    def _follow(self, record: RunRecord, context: Any, *, ended: bool) -> Any:
         """Follow the run to its end as its owner and turn rank 0's output into the XCom value; the
         metric history goes to XCom as it grows (throttled) and whole at the end, and a succeeded
-        run's world sizes to XCom and its summary into the events of the ``outlets`` assets."""
+        run's world sizes to XCom and its summary into the events of the ``outlets`` assets.
+
+        A run still going (not ``ended``) is held to its deadline: one already past is stopped
+        before it is followed, else a :class:`DeadlineWatch` stops it when the deadline passes."""
         hook = self._hook
         assert hook is not None
         ti = context["ti"]
+        deadline = None if ended else record.deadline
+        if deadline is not None and seconds_left(deadline) == 0:
+            self.log.warning("Run %s is past its execution_timeout: stopping it.", record.run_id)
+            self._end_timed_out(record)
+            raise timeout_error(record.run_id, deadline, "before this try could take it over")
         hook.on_application = link_pusher(ti)
         if (store := context.get("task_state_store")) is not None:
             hook.on_operation = lambda operation: self._record_operation(store, record, operation)
@@ -390,14 +398,12 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         hook.on_metrics = metrics.offer
         followed = False
         try:
-            with DeadlineWatch(record.deadline, lambda: hook.on_kill()) as watch:
+            with DeadlineWatch(deadline, lambda: hook.stop_run(record)) as watch:
                 try:
                     value = hook.follow(record, output_handler(ti, hook.spec))
                 except Exception as exc:
                     if watch.expired:  # the run failed because the watch stopped it
-                        raise timeout_error(
-                            record.run_id, record.deadline or 0.0, "while it trained"
-                        ) from exc
+                        raise timeout_error(record.run_id, deadline, "while it trained") from exc
                     raise
             followed = True
         except Exception:

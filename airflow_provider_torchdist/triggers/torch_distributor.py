@@ -63,6 +63,8 @@ from airflow_provider_torchdist.run_timeout import seconds_left
 CLASSPATH = "airflow_provider_torchdist.triggers.torch_distributor.TorchDistributorTrigger"
 #: The longest wait between two connection attempts.
 MAX_BACKOFF_S = 60.0
+#: The longest single wait for a deadline asyncio is asked for (a deadline years away is fine).
+MAX_WAIT_S = 10 * 365 * 86400.0
 #: One connection attempt (TCP connect and the mutual authentication).
 CONNECT_TIMEOUT_S = 10.0
 #: What a failed connection attempt raises when nothing answers (yet) at the supervisor's address:
@@ -106,6 +108,8 @@ class TorchDistributorTrigger(BaseTrigger):
         self.poll_interval = float(poll_interval)
         self._secret: bytes | None = None
         self._connection: AsyncOwnerConnection | None = None
+        #: The run's final status once seen (then a deadline passing stops nothing).
+        self._final: RunStatus | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return CLASSPATH, {"record": self.record, "poll_interval": self.poll_interval}
@@ -121,18 +125,22 @@ class TorchDistributorTrigger(BaseTrigger):
 
     async def _outcome_by_deadline(self) -> TriggerEvent:
         """The run's outcome; at the record's deadline (the task's ``execution_timeout``), the run is
-        stopped instead and the event is ``timeout``."""
+        stopped instead and the event is ``timeout``, unless it had ended by then."""
         left = seconds_left(self._record.deadline)
         if left is None:
             return await self._outcome()
-        waiting = asyncio.ensure_future(self._outcome())
-        done, _ = await asyncio.wait({waiting}, timeout=left)
-        if done:
-            return waiting.result()
-        waiting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await waiting
+        # A scope, not a task of its own: cancelling the trigger cancels the wait inside it too.
+        scope = asyncio.timeout(min(left, MAX_WAIT_S))
+        try:
+            async with scope:
+                return await self._outcome()
+        except TimeoutError:
+            if not scope.expired():
+                raise
         record = self._record
+        if self._final is not None:  # it ended just as the deadline passed: its result stands
+            await self._close()
+            return self._event(self._final.state, status=self._final.to_dict())
         self.log.warning(
             "Run %s passed the task's execution_timeout while the task was deferred: stopping it.",
             record.run_id,
@@ -169,6 +177,7 @@ class TorchDistributorTrigger(BaseTrigger):
             if not status.ended:
                 status, since = await self._wait_for_done(connection, since)
             if status is not None:
+                self._final = status
                 break
             await self._close()  # the lifeline dropped mid-run: reconnect, the run waits for us
         try:

@@ -246,7 +246,7 @@ def test_the_operator_pushes_the_first_report_at_once_and_the_whole_history_at_t
     )
     op._hook = hook
     ti = RecordingTI()
-    assert op._follow(RECORD, {"ti": ti}) == "value"
+    assert op._follow(RECORD, {"ti": ti}, ended=False) == "value"
     assert ti.pushes == [
         (METRICS_XCOM_KEY, history[:1]),
         (METRICS_XCOM_KEY, history),

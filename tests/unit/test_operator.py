@@ -335,7 +335,7 @@ def test_a_task_failing_while_it_owns_the_run_stops_it_unless_a_retry_comes(monk
     op = _op(retries=retries)
     op._hook = SimpleNamespace(follow=follow, metrics=[], spec=op.training_spec(), on_application=None)
     with pytest.raises(SparkSubmitFailed, match="lifeline broke"):
-        op._follow(record, {"ti": FakeTI()})  # try 1
+        op._follow(record, {"ti": FakeTI()}, ended=False)  # try 1
     # No retry to come back for it: stopped now, not kept for reattach_timeout. A retry reattaches.
     assert ended == ([record] if stopped else [])
 
@@ -388,7 +388,7 @@ def _follow_with_operation(store) -> tuple:
         run_status=None,
     )
     op._hook = hook
-    return record, op._follow(record, {"ti": FakeTI(), "task_state_store": store})
+    return record, op._follow(record, {"ti": FakeTI(), "task_state_store": store}, ended=False)
 
 
 def test_a_connect_runs_operation_joins_the_record_in_the_task_state_store():
@@ -470,49 +470,85 @@ def test_a_runs_deadline_is_its_tries_start_plus_execution_timeout():
     assert RunRecord.from_dict(op.submit_job({"ti": ti})).deadline is None
 
 
+class WatchedHook:
+    """What ``_follow`` uses of the hook: ``follow`` trains until ``stop_run`` (the real hook's
+    answer: False once the run has ended) or until it is told to finish."""
+
+    def __init__(self, op, ended_first=False):
+        import threading
+
+        self.stopped, self.finish = threading.Event(), threading.Event()
+        self.stops, self.ended_first = [], ended_first
+        self.metrics, self.world_sizes, self.run_status = [], [], None
+        self.spec, self.on_application = op.training_spec(), None
+
+    def follow(self, record, handle):
+        from airflow_provider_torchdist.errors import SparkSubmitFailed
+
+        if self.ended_first:  # the run has ended: its output is being fetched when the deadline passes
+            self.run_status = "succeeded"
+            assert self.finish.wait(10)
+            return {"ok": 1}
+        assert self.stopped.wait(10), "the run was never stopped"
+        raise SparkSubmitFailed("the run failed: stopped by its owner")
+
+    def stop_run(self, record):
+        self.stops.append(record.run_id)
+        if self.run_status is not None:
+            return False
+        self.stopped.set()
+        return True
+
+
 def test_a_run_past_its_deadline_while_followed_is_stopped_and_the_try_times_out():
-    import threading
     import time
-    from types import SimpleNamespace
 
     from airflow.providers.common.compat.sdk import AirflowTaskTimeout
 
-    from airflow_provider_torchdist.errors import SparkSubmitFailed
-
-    stopped = threading.Event()
-
-    def follow(record, handle):  # the run trains until it is stopped
-        assert stopped.wait(10), "the run was never stopped"
-        raise SparkSubmitFailed("the run failed: stopped by its owner")
-
     op = _op()
-    op._hook = SimpleNamespace(
-        follow=follow, on_kill=stopped.set, metrics=[], spec=op.training_spec(), on_application=None
-    )
+    op._hook = hook = WatchedHook(op)
     started = time.monotonic()
     with pytest.raises(AirflowTaskTimeout, match="Run run-1 passed the task's execution_timeout"):
-        op._follow(_record(deadline=time.time() + 0.5), {"ti": FakeTI()})
+        op._follow(_record(deadline=time.time() + 0.5), {"ti": FakeTI()}, ended=False)
     assert 0.4 < time.monotonic() - started < 5
+    assert hook.stops == ["run-1"]
 
 
-def test_a_run_ending_before_its_deadline_is_not_stopped():
+def test_a_run_that_ended_before_its_deadline_keeps_its_result_while_it_is_fetched():
+    import threading
     import time
-    from types import SimpleNamespace
 
-    kills = []
     op = _op()
-    op._hook = SimpleNamespace(
-        follow=lambda record, handle: {"ok": 1},
-        on_kill=lambda: kills.append(1),
-        metrics=[],
-        spec=op.training_spec(),
-        on_application=None,
-        world_sizes=[],
-        run_status=None,
-    )
-    assert op._follow(_record(deadline=time.time() + 0.3), {"ti": FakeTI()}) == {"ok": 1}
-    time.sleep(0.5)
-    assert kills == []  # the watch ended with the follow
+    op._hook = hook = WatchedHook(op, ended_first=True)
+    threading.Timer(1.0, hook.finish.set).start()  # the fetch outlasts the deadline
+    assert op._follow(_record(deadline=time.time() + 0.3), {"ti": FakeTI()}, ended=False) == {"ok": 1}
+    assert hook.stops == ["run-1"]  # asked, and it said there was nothing to stop
+
+
+def test_a_run_known_to_have_ended_is_not_held_to_its_deadline():
+    import time
+
+    op = _op()
+    op._hook = hook = WatchedHook(op, ended_first=True)
+    hook.finish.set()
+    assert op._follow(_record(deadline=time.time() - 5), {"ti": FakeTI()}, ended=True) == {"ok": 1}
+    assert hook.stops == []
+
+
+def test_a_run_already_past_its_deadline_is_stopped_before_it_is_followed(monkeypatch):
+    import time
+
+    from airflow.providers.common.compat.sdk import AirflowTaskTimeout
+
+    from airflow_provider_torchdist.operators import torch_distributor as operator_module
+
+    ended = []
+    monkeypatch.setattr(operator_module, "end_run", lambda r, timeout: ended.append(r.run_id))
+    op = _op()
+    op._hook = hook = WatchedHook(op)
+    with pytest.raises(AirflowTaskTimeout, match="before this try could take it over"):
+        op._follow(_record(deadline=time.time() - 5), {"ti": FakeTI()}, ended=False)
+    assert ended == ["run-1"] and hook.stops == []
 
 
 def test_execute_complete_after_a_timeout_event_makes_sure_the_run_ended_then_times_out(monkeypatch):
@@ -615,3 +651,52 @@ def test_a_mapped_task_renders_and_never_calls_its_callable(partial, mapping, ex
     for name, value in expected.items():
         assert getattr(task, name) == value, name
     assert task.training_spec().local_mode is True
+
+
+def test_the_hooks_stop_at_the_deadline_stops_a_run_still_going_and_nothing_ended(monkeypatch):
+    import dataclasses
+
+    from airflow_provider_torchdist.hooks import torch_distributor as hook_module
+    from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
+
+    ended = []
+    monkeypatch.setattr(hook_module, "end_run", lambda r, timeout: ended.append(r.run_id))
+    hook = TorchDistributorHook(spec=_op().training_spec())
+    assert hook.stop_run(_record()) is True and ended == ["run-1"]  # not owned here: a new lifeline
+
+    class Owner:
+        stops = 0
+
+        def stop(self):
+            Owner.stops += 1
+
+    hook._owner, hook.record = Owner(), _record()
+    # The record the operator holds has gained a deadline since: still the same run, same lifeline.
+    assert hook.stop_run(dataclasses.replace(_record(), deadline=1767225600.0)) is True
+    assert Owner.stops == 1 and ended == ["run-1"]
+    hook.run_status = object()  # the run has ended: its result is on its way, nothing to stop
+    assert hook.stop_run(_record()) is False and Owner.stops == 1
+
+
+def test_follow_keeps_the_lifeline_start_run_opened_when_the_record_gained_a_deadline(monkeypatch):
+    import dataclasses
+
+    from airflow_provider_torchdist.hooks import torch_distributor as hook_module
+    from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
+
+    def no_new_lifeline(*args, **kwargs):
+        raise AssertionError("follow opened a second lifeline to the run it owns")
+
+    monkeypatch.setattr(hook_module, "connect_owner", no_new_lifeline)
+
+    class Owner:
+        status = None
+
+        def close(self):
+            pass
+
+    hook = TorchDistributorHook(spec=_op().training_spec())
+    hook._owner, hook.record = Owner(), _record()
+    # Past the choice of lifeline, the fake owner has no status: follow stops there.
+    with pytest.raises(AttributeError):
+        hook.follow(dataclasses.replace(_record(), deadline=1767225600.0), lambda path: None)

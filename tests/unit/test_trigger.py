@@ -625,9 +625,11 @@ def test_a_run_that_ends_before_its_deadline_is_not_stopped(lifeline: type[FakeL
 def test_a_deadline_already_past_stops_the_run_at_once(lifeline: type[FakeLifeline]) -> None:
     import time
 
-    lifeline.script = [FakeConnection(status("running"), [HANG]), FakeConnection(status("running"), [])]
+    connection = FakeConnection(status("running"), [HANG])
+    lifeline.script = [connection]
     events = events_of(TorchDistributorTrigger(make_record() | {"deadline": time.time() - 1}), timeout=5)
     assert [e["state"] for e in events] == ["timeout"]
+    assert "stop" in connection.calls
 
 
 def test_real_lifeline_deadline_stops_the_run(server: tuple[LifelineServer, RecordingOwners]) -> None:
@@ -641,3 +643,42 @@ def test_real_lifeline_deadline_stops_the_run(server: tuple[LifelineServer, Reco
 
     assert [e["state"] for e in events] == ["timeout"]
     wait_until(lambda: "stop" in owners.seen, what="the supervisor to be told to stop")
+
+
+def test_cancelling_a_trigger_with_a_deadline_cancels_its_wait(lifeline: type[FakeLifeline]) -> None:
+    """The triggerer cancels a trigger (a user's action, a move to another triggerer): nothing of
+    it may go on waiting for, or reconnecting to, the run."""
+    import time
+
+    connection = FakeConnection(status("running"), [HANG])
+    lifeline.script = [connection]
+    trigger = TorchDistributorTrigger(make_record() | {"deadline": time.time() + 60})
+
+    async def scenario() -> set[asyncio.Task[Any]]:
+        task = asyncio.create_task(collect(trigger))
+        await asyncio.wait_for(connection.iterating.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.1)
+        return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+
+    assert asyncio.run(scenario()) == set()
+    assert "stop" not in connection.calls  # a cancel is not a timeout
+    assert len(lifeline.connects) == 1
+
+
+def test_a_run_that_ended_as_its_deadline_passed_keeps_its_result(
+    lifeline: type[FakeLifeline], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    class SlowDetach(FakeConnection):
+        async def detach(self) -> None:  # the deadline passes while the trigger leaves the ended run
+            await asyncio.sleep(5)
+
+    connection = SlowDetach(status("running"), [DoneEvent(SUCCEEDED)])
+    lifeline.script = [connection]
+    events = events_of(TorchDistributorTrigger(make_record() | {"deadline": time.time() + 0.5}))
+    assert [e["state"] for e in events] == ["succeeded"]
+    assert "stop" not in connection.calls

@@ -12,11 +12,11 @@ The run's ``conf`` names a directory shared with the test (``{"gate_dir": "/tmp/
   ``num_processes``), deferrable, in the pool ``torchdist_sweep`` (1 slot, deferred tasks
   counted: the test creates it). Each trial waits at ``<gate_dir>/release-<lr>`` once its ranks
   have trained, so the test opens it only once the task is deferred.
-- ``features_timeout_deferred``: deferrable, ``execution_timeout`` 30 s, the ranks wait at a gate
+- ``features_timeout_deferred``: deferrable, ``execution_timeout`` 45 s, the ranks wait at a gate
   that never opens: the trigger stops the run at the deadline, and the try times out.
 - ``features_timeout_retry``: durable, ``retries=1`` with ``retry_exponential_backoff``,
-  ``execution_timeout`` 60 s, the ranks wait at a gate that never opens. The test SIGKILLs try
-  1's process; try 2 reattaches to the same run and gets only what is left of the 60 s.
+  ``execution_timeout`` 75 s, the ranks wait at a gate that never opens. The test SIGKILLs try
+  1's process; try 2 reattaches to the same run and gets only what is left of the 75 s.
 - ``features_task_group``: in a task group, a setup task makes a workspace, the training task
   gets its path through ``args`` (an XComArg, resolved at render) and reads it on every rank, and
   a teardown task removes it.
@@ -41,6 +41,10 @@ LEARNING_RATES = [0.001, 0.05, 0.3]
 #: Seconds a rank waits at a gate before it gives up (the tests open theirs within seconds, or
 #: stop the run long before).
 GATE_TIMEOUT = 600
+#: The deferred run's execution_timeout: long enough for its ranks to start on a loaded machine.
+DEFERRED_TIMEOUT_S = 45
+#: The durable run's: its first try is killed once its ranks train, its retry takes the run over.
+RETRY_TIMEOUT_S = 75
 
 
 def fit(gate_dir: str, *, lr: float, steps: int = 20, gated: bool = False) -> dict[str, Any] | None:
@@ -165,7 +169,7 @@ def features_timeout_deferred():
         use_gpu=False,
         deferrable=True,
         retries=0,
-        execution_timeout=timedelta(seconds=30),
+        execution_timeout=timedelta(seconds=DEFERRED_TIMEOUT_S),
     )
 
 
@@ -188,7 +192,7 @@ def features_timeout_retry():
         retries=1,
         retry_delay=timedelta(seconds=1),
         retry_exponential_backoff=True,
-        execution_timeout=timedelta(seconds=60),
+        execution_timeout=timedelta(seconds=RETRY_TIMEOUT_S),
     )
 
 
