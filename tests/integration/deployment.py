@@ -218,6 +218,13 @@ class Deployment:
                 lines.append(f"{error.get('exc_type')}: {error.get('exc_value')}")
         return "\n".join(lines)
 
+    def log_says(self, dag_id: str, run_id: str, task_id: str, try_number: int, text: str) -> bool:
+        """Whether the try's log holds ``text`` yet (False while it has no log to show)."""
+        try:
+            return text in self.task_log(dag_id, run_id, task_id, try_number)
+        except ApiError:
+            return False
+
     def xcom(self, dag_id: str, run_id: str, task_id: str, key: str = "return_value") -> Any:
         path = f"{self.ti_path(dag_id, run_id, task_id)}/xcomEntries/{quote(key)}"
         return self.call("GET", path)["value"]

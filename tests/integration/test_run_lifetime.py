@@ -148,6 +148,15 @@ def test_sigkill_of_a_durable_task_is_survived_and_the_retry_reattaches(
     wait_for(lambda: deployment.task_instance(dag, run_id, "train")["try_number"] == 2, 180, "try 2 to start")
     retry = deployment.task_pid(dag, run_id, "train")
     assert retry != task and supervisor.is_running()
+    # Open the gate only once try 2 owns the run: opened as soon as its process exists, the run
+    # could end before try 2 asks for it, and try 2 would take over the finished run's result
+    # instead of reattaching (right too, but not what this test is for).
+    wait_for(
+        lambda: deployment.log_says(dag, run_id, "train", 2, "Reattaching to run"),
+        120,
+        "try 2 to reattach to the run",
+        interval=0.5,
+    )
     (gate / "release").touch()
 
     final = deployment.wait_run(dag, run_id, timeout=240)
