@@ -29,7 +29,7 @@ CONNECT_FIELDS = frozenset({"connect_session_id", "connect_operation_id"})
 #: moment a datetime can say; a larger one is not ours.
 LATEST_DEADLINE = 253402300799.0
 #: Fields a record of an earlier release may lack.
-OPTIONAL_FIELDS = CONNECT_FIELDS | {"deadline"}
+OPTIONAL_FIELDS = CONNECT_FIELDS | {"deadline", "max_tries"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,10 @@ class RunRecord:
     #: one: set from the try that started the run, so that a try resumed after a deferral, or a
     #: durable retry that takes the run over, gets what is left of it, not a fresh timeout.
     deadline: float | None = None
+    #: The task instance's ``max_tries`` when the run started, None when unknown. Airflow raises it
+    #: when a user clears the task: a later try that finds a higher one was asked for a new run,
+    #: not for this one.
+    max_tries: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,6 +106,7 @@ class RunRecord:
             record.connect_operation_id is None or canonical_uuid(record.connect_operation_id) is not None,
             record.deadline is None
             or (type(record.deadline) in (int, float) and 0 < record.deadline <= LATEST_DEADLINE),
+            record.max_tries is None or (type(record.max_tries) is int and record.max_tries >= 0),
         )
         if not all(checks):
             raise InvalidTrainingConfig(f"The task's stored run record {data!r} is malformed; clear it.")

@@ -74,6 +74,16 @@ OPENLINEAGE_DEFAULTS = {
 }
 
 
+#: ``get_job_status`` of a run whose task was cleared since it started: never reattached to.
+CLEARED = "cleared"
+
+
+def _cleared_since(record: RunRecord, context: Any) -> bool:
+    """Whether the task was cleared since the run started: Airflow raised its ``max_tries``."""
+    max_tries = getattr(context.get("ti"), "max_tries", None)
+    return record.max_tries is not None and type(max_tries) is int and max_tries > record.max_tries
+
+
 @documented(list(SETTINGS))
 class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
     """Train a PyTorch callable or script on Spark and push global rank 0's return value to XCom.
@@ -247,13 +257,25 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
             durable=self.durable,
             reattach_timeout=self._hook_spec().reattach_timeout,
         )
-        deadline = try_deadline(context["ti"], self.execution_timeout)
-        return dataclasses.replace(record, deadline=deadline).to_dict()
+        ti = context["ti"]
+        deadline = try_deadline(ti, self.execution_timeout)
+        max_tries = getattr(ti, "max_tries", None)
+        max_tries = max_tries if type(max_tries) is int and max_tries >= 0 else None
+        return dataclasses.replace(record, deadline=deadline, max_tries=max_tries).to_dict()
 
     def get_job_status(self, external_id: Any, context: Any) -> str:
         """The stored run's state (``"gone"`` when its supervisor is not there any more). A failed
         run still kept for its owner is ended here, so that its checkpoint lock is free for the next."""
         record = RunRecord.from_dict(external_id)
+        if _cleared_since(record, context):
+            # A clear asks for a new run. The old one may not know yet: a deferred task's trigger
+            # stops it when the triggerer gets to it, which can be after this try starts.
+            self.log.warning(
+                "The task was cleared since run %s started: stopping it, and starting a new run.",
+                record.run_id,
+            )
+            end_run(record)
+            return CLEARED
         state = run_state(record)
         if state == "failed":
             self.log.warning(

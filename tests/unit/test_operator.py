@@ -700,3 +700,36 @@ def test_follow_keeps_the_lifeline_start_run_opened_when_the_record_gained_a_dea
     # Past the choice of lifeline, the fake owner has no status: follow stops there.
     with pytest.raises(AttributeError):
         hook.follow(dataclasses.replace(_record(), deadline=1767225600.0), lambda path: None)
+
+
+@pytest.mark.parametrize(
+    "was, now, cleared", [(0, 1, True), (1, 1, False), (None, 3, False), (2, None, False)]
+)
+def test_a_run_whose_task_was_cleared_since_it_started_is_stopped_not_reattached_to(
+    monkeypatch, was, now, cleared
+):
+    """Airflow raises max_tries when a user clears a task (a retry keeps it): a clear asks for a
+    new run, even when the old one is still going (a deferred task's trigger stops it later)."""
+    from airflow_provider_torchdist.operators import torch_distributor as operator_module
+
+    ended = []
+    monkeypatch.setattr(operator_module, "end_run", lambda r: ended.append(r.run_id))
+    monkeypatch.setattr(operator_module, "run_state", lambda r: "running")
+    ti = FakeTI()
+    ti.max_tries = now
+    op = _op()
+    state = op.get_job_status(_record(max_tries=was).to_dict(), {"ti": ti})
+    assert (state, ended) == (("cleared", ["run-1"]) if cleared else ("running", []))
+    assert op.is_job_active(state) is not cleared and not op.is_job_succeeded(state)
+
+
+def test_a_run_records_the_tasks_max_tries():
+    from types import SimpleNamespace
+
+    from airflow_provider_torchdist.run_record import RunRecord
+
+    ti = FakeTI()
+    ti.max_tries = 3
+    op = _op()
+    op._hook = SimpleNamespace(start_run=lambda *a, **k: _record(), spec=op.training_spec())
+    assert RunRecord.from_dict(op.submit_job({"ti": ti})).max_tries == 3

@@ -26,6 +26,7 @@ def test_a_record_round_trips_through_json_and_holds_no_secret():
         "connect_session_id",
         "connect_operation_id",
         "deadline",
+        "max_tries",
     }
     assert data["connect_session_id"] is None and data["connect_operation_id"] is None
 
@@ -93,6 +94,11 @@ def test_what_is_not_a_connect_operation_is_refused(operation):
         {"deadline": float("inf")},
         {"deadline": float("nan")},
         {"deadline": [1.0]},
+        {"deadline": 1e300},
+        {"max_tries": -1},
+        {"max_tries": True},
+        {"max_tries": "1"},
+        {"max_tries": 1.0},
     ],
 )
 def test_a_malformed_record_is_refused(change):
