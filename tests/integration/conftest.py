@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -15,8 +16,67 @@ from tests.integration.connect_server import (  # noqa: F401 (one Connect server
     connect_server,
 )
 from tests.integration.deployment import Deployment, dag_folder, running_deployment
+from tests.integration.postgres import PostgresServer, start_postgres, stop_postgres
+from tests.integration.run_processes import (  # noqa: F401 (a fixture for the modules that start supervisors)
+    mark_this_worker,
+    no_supervisor_left,
+    of_this_worker,
+)
 
 pytestmark = pytest.mark.integration
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before xdist starts its workers (they inherit the controller's mark) and before any test starts
+    # a process: the process checks below keep to processes with this worker's mark.
+    mark_this_worker()
+
+
+#: Session fixtures that cost a JVM or a whole Airflow each ...
+_SHARED_SET_UPS = {"deployment", "connect_server"}
+#: ... and the test files that use them: they run one after another in one xdist worker, so that
+#: the session starts one of each (the scheduler below; a test file's tests always stay together).
+SHARED_SET_UP_FILES = {
+    "test_airflow_features.py",
+    "test_assets.py",
+    "test_connect.py",
+    "test_connect_lifetime.py",
+    "test_connect_reattach.py",
+    "test_connect_server.py",
+    "test_connect_thin.py",
+    "test_deployment.py",
+    "test_deployment_postgres.py",
+    "test_run_lifetime.py",
+    "test_training_view.py",
+}
+
+
+def scope_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or ``shared`` for the shared set-ups' files."""
+    path = nodeid.split("::", 1)[0]
+    return "shared" if path.rpartition("/")[2] in SHARED_SET_UP_FILES else path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduling (a scope's tests all run in one worker, in order) with
+    :func:`scope_of` for the scopes: xdist's own ``loadgroup`` marks no longer reach pytest 9's node
+    ids, and a file's module fixtures must be set up once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedSetUpScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    return SharedSetUpScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every file that uses a shared set-up is listed in SHARED_SET_UP_FILES (else it would start a
+    second deployment or Connect server in the other worker)."""
+    using = {item.path.name for item in items if _SHARED_SET_UPS & set(item.fixturenames)}
+    if missing := sorted(using - SHARED_SET_UP_FILES):
+        raise pytest.UsageError(f"add {missing} to SHARED_SET_UP_FILES in {__file__}")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -35,14 +95,15 @@ _CLUSTER_DAEMON = ("org.apache.spark.deploy.worker.Worker", "org.apache.spark.de
 
 
 def _run_processes() -> dict[int, str]:
-    """Every live process on the machine that belongs to a training run (any session, any parent)."""
+    """Every live process of this pytest worker that belongs to a training run (any session, any parent)."""
     found = {}
     for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = " ".join(proc.info["cmdline"] or [])
         if any(daemon in cmd for daemon in _CLUSTER_DAEMON):
             continue
         if proc.info["status"] != psutil.STATUS_ZOMBIE and any(marker in cmd for marker in _RUN_PROCESS):
-            found[proc.info["pid"]] = cmd
+            if of_this_worker(proc):
+                found[proc.info["pid"]] = cmd
     return found
 
 
@@ -76,13 +137,46 @@ def _parent(pid: int) -> int | None:
 
 
 @pytest.fixture(scope="session")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def deployment_postgres() -> Iterator[PostgresServer]:
+    """The shared deployment's metadata DB: a PostgreSQL server of the session's own."""
+    server = start_postgres()
+    try:
+        yield server
+    finally:
+        stop_postgres(server)
+
+
+@pytest.fixture(scope="session")
+def deployment(
+    tmp_path_factory: pytest.TempPathFactory, deployment_postgres: PostgresServer
+) -> Iterator[Deployment]:
     """One real Airflow deployment for the whole session (``scripts/airflow-standalone`` in a temp
     AIRFLOW_HOME), serving dags/ and tests/integration/dags/; stopped, with nothing left, at the end.
+
+    Its metadata DB is PostgreSQL, as in production: SQLite's one writer at a time made a REST call
+    fail (HTTP 500, "database is locked" after its 5 s wait) while the scheduler wrote on a loaded
+    machine. The README's one-command deployment on SQLite is test_readme's.
 
     Tests share it: each triggers runs of its own DAGs and leaves no run going.
     """
     home = tmp_path_factory.mktemp("airflow_standalone_home")
     dags = dag_folder(tmp_path_factory.mktemp("airflow_standalone_dags"))
-    with running_deployment(home, dags) as running:
+    settings = {"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": deployment_postgres.url("postgresql+psycopg2")}
+    with running_deployment(home, dags, settings) as running:
         yield running
+
+
+@pytest.fixture(autouse=True)
+def _deployment_test_ends_its_runs(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test on the shared deployment leaves no run going, even when it failed half-way: its
+    unfinished runs are marked failed (their tasks stop their training runs), and then
+    ``no_supervisor_left`` checks that no run supervisor of the test's is left. Without this, a run
+    left by a failed test retries into the next test and fails it too."""
+    if "deployment" not in request.fixturenames:
+        yield
+        return
+    request.getfixturevalue("no_supervisor_left")  # set up first, so it checks after the runs end
+    shared: Deployment = request.getfixturevalue("deployment")
+    since = len(shared.triggered)
+    yield
+    shared.fail_unfinished(since)

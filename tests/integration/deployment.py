@@ -30,7 +30,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,11 @@ class Deployment:
     #: The launcher's pid: its process group, and the parent of the components.
     pgid: int
     token: str = ""
+    #: The ``AIRFLOW__SECTION__KEY`` settings it was started with beyond the launcher's own (the
+    #: metadata DB's URL, ...): another Airflow process on its home needs them too.
+    settings: dict[str, str] = field(default_factory=dict)
+    #: Every run :meth:`trigger` started, in order (:meth:`fail_unfinished` ends a test's leftovers).
+    triggered: list[tuple[str, str]] = field(default_factory=list)
 
     # -- REST --------------------------------------------------------------------------------------
 
@@ -121,7 +126,19 @@ class Deployment:
         run = self.call(
             "POST", f"/api/v2/dags/{quote(dag_id)}/dagRuns", {"logical_date": None, "conf": conf or {}}
         )
+        self.triggered.append((dag_id, run["dag_run_id"]))
         return run["dag_run_id"]
+
+    def fail_unfinished(self, since: int = 0) -> list[tuple[str, str]]:
+        """Mark failed every run triggered since ``triggered[since]`` that has not finished, so that a
+        test that failed half-way leaves no run going into the next test (marking the run failed
+        fails its running and deferred tasks, which stop their training runs); the runs it ended."""
+        ended = []
+        for dag_id, run_id in self.triggered[since:]:
+            if self.dag_run(dag_id, run_id)["state"] not in ("success", "failed"):
+                self.call("PATCH", self.run_path(dag_id, run_id), {"state": "failed"})
+                ended.append((dag_id, run_id))
+        return ended
 
     def dag_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
         return self.call("GET", self.run_path(dag_id, run_id))
@@ -407,7 +424,9 @@ def start_deployment(
         launcher = subprocess.Popen(
             ["bash", str(LAUNCHER)], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-    deployment = Deployment(url=f"http://127.0.0.1:{port}", home=home, pgid=launcher.pid)
+    deployment = Deployment(
+        url=f"http://127.0.0.1:{port}", home=home, pgid=launcher.pid, settings=dict(settings or {})
+    )
 
     def ready() -> bool:
         assert launcher.poll() is None, (

@@ -20,14 +20,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from tests.integration.dags.airflow_features_dags import DEFERRED_TIMEOUT_S, LEARNING_RATES, RETRY_TIMEOUT_S
 from tests.integration.deployment import ApiError, Deployment, quote, wait_for
-from tests.integration.test_run_lifetime import SUPERVISOR_MODULE, _alive, no_supervisor_left  # noqa: F401
+from tests.integration.run_processes import run_tree, supervisor_above, wait_gone
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_supervisor_left")]
 
 SWEEP_POOL = "torchdist_sweep"
 
@@ -78,7 +77,7 @@ def _check_sweep(deployment: Deployment, dag_id: str, run_id: str, gate: Path) -
     assert [t["lr"] for t in picked["trials"]] == LEARNING_RATES
     assert all(t["world"] == 2 for t in picked["trials"]), picked
     losses = [t["loss"] for t in picked["trials"]]
-    assert losses[0] > losses[1] > losses[2], losses  # each trial trained with its own rate
+    assert losses == sorted(set(losses), reverse=True), losses  # each trial trained with its own rate
     assert picked["best"]["lr"] == 0.3, picked
     # The Training view's API, per map index: each trial's own curve.
     for ti, trial in zip(mapped, picked["trials"], strict=True):
@@ -176,32 +175,10 @@ def _pids(gate: Path) -> dict[int, str]:
     }
 
 
-def _supervisor_for(gate: Path) -> psutil.Process:
-    proc: psutil.Process | None = psutil.Process(min(_pids(gate)))
-    while proc is not None:
-        if SUPERVISOR_MODULE in " ".join(proc.cmdline()):
-            return proc
-        proc = proc.parent()
-    raise AssertionError("rank 0 has no run supervisor among its ancestors")
-
-
 def _run_tree(gate: Path) -> tuple[dict[int, str], Path]:
-    supervisor = _supervisor_for(gate)
-    tree = dict(_pids(gate))
-    for proc in [supervisor, *supervisor.children(recursive=True)]:
-        try:
-            tree[proc.pid] = " ".join(proc.cmdline())[:160]
-        except psutil.Error:
-            continue
-    return tree, Path(supervisor.cmdline()[-1])
-
-
-def _gone_within(tree: dict[int, str], staging: Path, since: float, limit: float, after: str) -> None:
-    while _alive(tree) or staging.exists():
-        assert time.monotonic() - since < limit, (
-            f"{limit:g} s after {after}: left {_alive(tree)}, staging {'there' if staging.exists() else 'gone'}"
-        )
-        time.sleep(0.2)
+    """The run whose ranks wrote their pids into ``gate``: its processes and its staging directory."""
+    ranks = _pids(gate)
+    return run_tree(supervisor_above(min(ranks)), ranks)
 
 
 def _ranks_started(gate: Path) -> bool:
@@ -227,7 +204,7 @@ def test_execution_timeout_while_deferred_stops_the_run_and_times_the_try_out(
     )
     log = deployment.task_log(dag_id, run_id, "train", 1)
     assert "AirflowTaskTimeout" in log and "passed the task's execution_timeout" in log, log[-3000:]
-    _gone_within(tree, staging, ended, 15, "the timeout")
+    wait_gone(tree, staging, ended, 15, "the timeout")
     assert not (gate / "release").exists()
 
 
@@ -265,7 +242,7 @@ def test_a_durable_retry_that_takes_the_run_over_gets_what_is_left_of_the_timeou
     assert second_took < RETRY_TIMEOUT_S - 5, (
         f"try 2 ran {second_took:.1f} s: it got a fresh timeout, not what was left"
     )
-    _gone_within(tree, staging, ended, 15, "the timeout")
+    wait_gone(tree, staging, ended, 15, "the timeout")
 
 
 def test_setup_and_teardown_around_a_training_task_in_a_task_group(
@@ -291,17 +268,10 @@ def _lifetime_training(gate: Path) -> bool:
 
 
 def _lifetime_tree(gate: Path) -> tuple[dict[int, str], Path]:
-    """The run of a lifetime DAG (tests/integration/dags/lifetime_dags.py): its supervisor, what is
-    under it, and its ranks (by their pid files); and its staging directory."""
-    rank0 = psutil.Process(int((gate / "training-0").read_text()))
-    supervisor = next(p for p in [rank0, *rank0.parents()] if SUPERVISOR_MODULE in " ".join(p.cmdline()))
-    tree = {int((gate / f"training-{r}").read_text()): f"rank {r}" for r in (0, 1)}
-    for proc in [supervisor, *supervisor.children(recursive=True)]:
-        try:
-            tree[proc.pid] = " ".join(proc.cmdline())[:160]
-        except psutil.Error:
-            continue
-    return tree, Path(supervisor.cmdline()[-1])
+    """The run of a lifetime DAG (tests/integration/dags/lifetime_dags.py): its processes, with its
+    ranks (by their pid files), and its staging directory."""
+    ranks = [int((gate / f"training-{r}").read_text()) for r in (0, 1)]
+    return run_tree(supervisor_above(ranks[0]), ranks)
 
 
 def _clear(deployment: Deployment, dag_id: str, run_id: str) -> None:
@@ -329,7 +299,7 @@ def test_mark_success_or_clear_of_a_running_training_task_stops_its_run(
     else:
         _clear(deployment, dag_id, run_id)
     acted = time.monotonic()
-    _gone_within(tree, staging, acted, 15, action)
+    wait_gone(tree, staging, acted, 15, action)
     if action == "clear":  # the task runs again: a new run, trained once, then the DAG run succeeds
         wait_for(lambda: _lifetime_training(gate), 240, "the new run's ranks to be training", interval=0.2)
         if dag_id == "lifetime_deferrable":

@@ -7,7 +7,7 @@ the ``torchdist_connect_lifetime`` connection (``spark_connect``) to the session
 REST API. Over Connect the ranks run in the Connect server's Python workers (under its JVM), not
 under the run's supervisor: the supervisor runs the Connect driver. So the supervisor is found from
 the task process, or, once the task has deferred, as the one supervisor that appeared since the
-test began; the helpers and the ``no_supervisor_left`` check are ``test_run_lifetime``'s.
+test began; the helpers are ``test_run_lifetime``'s, the ``no_supervisor_left`` check ``run_processes``'.
 """
 
 from __future__ import annotations
@@ -25,15 +25,10 @@ import pytest
 from airflow_provider_torchdist.run_record import RunRecord
 from tests.integration.connect_server import ConnectServer
 from tests.integration.deployment import Deployment, quote, wait_for
-from tests.integration.test_run_lifetime import (  # noqa: F401 (no_supervisor_left: autouse here too)
-    _gate,
-    _supervisor_of,
-    _supervisors,
-    _training,
-    no_supervisor_left,
-)
+from tests.integration.run_processes import supervisors
+from tests.integration.test_run_lifetime import _gate, _supervisor_of, _training
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_supervisor_left")]
 
 CONN_ID = "torchdist_connect_lifetime"
 
@@ -62,7 +57,7 @@ def connect_lifetime_conn(deployment: Deployment, connect_server: ConnectServer)
 def _new_supervisors(deployment: Deployment, before: set[int]) -> dict[int, psutil.Process]:
     """The run supervisors of this deployment's tasks (started with its AIRFLOW_HOME) not in ``before``."""
     found = {}
-    for pid, proc in _supervisors().items():
+    for pid, proc in supervisors().items():
         with contextlib.suppress(psutil.Error):
             if pid not in before and proc.environ().get("AIRFLOW_HOME") == str(deployment.home):
                 found[pid] = proc
@@ -105,7 +100,7 @@ def test_a_deferrable_run_over_connect_trains_while_the_task_is_deferred_then_su
 ) -> None:
     gate = _gate(tmp_path)
     dag = "lifetime_connect_deferrable"
-    before = set(_supervisors())
+    before = set(supervisors())
     run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
     wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
     deployment.wait_trigger(dag, run_id, "train")

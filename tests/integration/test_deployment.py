@@ -1,5 +1,5 @@
 """A real deployment: ``scripts/airflow-standalone`` (API server, scheduler, DAG processor and
-triggerer as separate processes; LocalExecutor; SQLite) serving dags/, driven through the REST API
+triggerer as separate processes; LocalExecutor; PostgreSQL) serving dags/, driven through the REST API
 like a user would, then looked at in the UI. The deployment is the session's shared one (the
 ``deployment`` fixture in conftest.py, helpers in deployment.py).
 

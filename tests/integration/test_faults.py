@@ -12,6 +12,7 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook, load_latest_checkpoint, save_checkpoint
 from airflow_provider_torchdist.errors import TrainingFailed
+from airflow_provider_torchdist.processes import is_alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_leftovers")]
 
@@ -115,7 +116,7 @@ def test_on_kill_ends_every_process_and_removes_staging(local_mode: bool, tmp_pa
     assert not runner.is_alive()
     assert time.monotonic() - killed_at < 15
     for pid in rank_pids:
-        assert not _alive(pid), f"rank process {pid} survived the kill"
+        assert not is_alive(pid), f"rank process {pid} survived the kill"
     assert list((tmp_path / "staging").iterdir()) == []  # the staging directory is gone
     assert errors, "a killed run must not look like a success"
 
@@ -125,11 +126,3 @@ def _catch(errors: list[BaseException], fn, *args) -> None:
         fn(*args)
     except BaseException as exc:  # noqa: BLE001 - handed to the test thread
         errors.append(exc)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

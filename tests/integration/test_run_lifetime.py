@@ -6,56 +6,23 @@ kills the task process while every rank is known to be training, never after a s
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.integration.deployment import Deployment, wait_for
+from tests.integration.run_processes import (
+    SUPERVISOR_MODULE,
+    run_tree,
+    supervisor_above,
+    wait_gone,
+)
 
-pytestmark = pytest.mark.integration
-
-SUPERVISOR_MODULE = "airflow_provider_torchdist.supervisor"
-
-
-def _supervisors() -> dict[int, psutil.Process]:
-    found = {}
-    for proc in psutil.process_iter():
-        try:
-            if SUPERVISOR_MODULE in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
-                found[proc.pid] = proc
-        except psutil.Error:
-            continue
-    return found
-
-
-@pytest.fixture(autouse=True)
-def no_supervisor_left() -> Iterator[None]:
-    """Every test here ends with no run supervisor of its own left: one still there 30 s after the
-    test is a leak (it would hold its run's Spark application and lock for ``reattach_timeout``).
-    It is stopped by PID and the test errors."""
-    before = set(_supervisors())
-    yield
-    deadline = time.monotonic() + 30
-    while (
-        left := {pid: p for pid, p in _supervisors().items() if pid not in before}
-    ) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    # SIGTERM is the supervisor's own teardown (spark-submit, in a session of its own, goes too);
-    # SIGKILL for one that does not end on it.
-    for proc in left.values():
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _, stuck = psutil.wait_procs(list(left.values()), timeout=20)
-    for proc in stuck:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    assert not left, f"run supervisors (pids {sorted(left)}) outlived the test by 30 s; stopped now"
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_supervisor_left")]
 
 
 def _gate(tmp_path: Path) -> Path:
@@ -79,38 +46,7 @@ def _supervisor_of(task_pid: int) -> psutil.Process:
 
 def _run_tree(supervisor: psutil.Process, gate: Path) -> dict[int, str]:
     """Every process of the run: the supervisor, everything under it, and the ranks (by their pid files)."""
-    procs = [supervisor, *supervisor.children(recursive=True)]
-    for rank in (0, 1):
-        procs.append(psutil.Process(int((gate / f"training-{rank}").read_text())))
-    tree = {}
-    for proc in procs:
-        try:
-            tree[proc.pid] = " ".join(proc.cmdline())[:160]
-        except psutil.Error:  # a short-lived child that has just exited
-            continue
-    return tree
-
-
-def _alive(pids: dict[int, str]) -> dict[int, str]:
-    left = {}
-    for pid, cmd in pids.items():
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                left[pid] = cmd
-        except psutil.NoSuchProcess:
-            pass
-    return left
-
-
-def _wait_gone(tree: dict[int, str], staging: Path, since: float, limit: float, after: str) -> float:
-    """Wait until every process of ``tree`` and ``staging`` are gone, at most ``limit`` s after
-    ``since``; returns when that was (seconds after ``since``)."""
-    while _alive(tree) or staging.exists():
-        assert time.monotonic() - since < limit, (
-            f"{limit:g} s after {after}: left {_alive(tree)}, staging {'there' if staging.exists() else 'gone'}"
-        )
-        time.sleep(0.2)
-    return time.monotonic() - since
+    return run_tree(supervisor, (int((gate / f"training-{rank}").read_text()) for rank in (0, 1)))[0]
 
 
 def test_sigkill_of_a_non_durable_task_leaves_nothing_of_its_run_within_15_s(
@@ -127,7 +63,7 @@ def test_sigkill_of_a_non_durable_task_leaves_nothing_of_its_run_within_15_s(
 
     os.kill(task, signal.SIGKILL)
     killed = time.monotonic()
-    _wait_gone(tree, staging, killed, 15, "the task's SIGKILL")
+    wait_gone(tree, staging, killed, 15, "the task's SIGKILL")
     ti = deployment.wait_state("lifetime_nondurable", run_id, "train", {"failed"}, timeout=120)
     assert ti["try_number"] == 1
 
@@ -172,12 +108,7 @@ def test_sigkill_of_a_durable_task_is_survived_and_the_retry_reattaches(
 
 def _supervisor_for(gate: Path) -> psutil.Process:
     """The supervisor of the run whose ranks wrote their pids into ``gate`` (a rank's ancestor)."""
-    proc: psutil.Process | None = psutil.Process(int((gate / "training-0").read_text()))
-    while proc is not None:
-        if SUPERVISOR_MODULE in " ".join(proc.cmdline()):
-            return proc
-        proc = proc.parent()
-    raise AssertionError("rank 0 has no run supervisor among its ancestors")
+    return supervisor_above(int((gate / "training-0").read_text()))
 
 
 def test_a_deferrable_run_trains_while_the_task_is_deferred_then_succeeds(
@@ -210,7 +141,7 @@ def test_mark_failed_while_deferred_leaves_nothing_of_the_run_within_15_s(
     tree = _run_tree(supervisor, gate)
     deployment.mark_failed(dag, run_id, "train")
     marked = time.monotonic()
-    _wait_gone(tree, staging, marked, 15, "mark-failed")
+    wait_gone(tree, staging, marked, 15, "mark-failed")
 
 
 def test_a_durable_run_nobody_comes_back_for_is_torn_down_after_reattach_timeout(
@@ -236,7 +167,7 @@ def test_a_durable_run_nobody_comes_back_for_is_torn_down_after_reattach_timeout
         f"{'alive' if supervisor.is_running() else 'gone'}"
     )
     # ...then tears itself down, all of it, once reattach_timeout has passed.
-    gone = _wait_gone(tree, staging, killed, reattach + 15, "the kill")
+    gone = wait_gone(tree, staging, killed, reattach + 15, "the kill")
     assert gone >= reattach - 1, "the run was torn down before reattach_timeout"
     assert not (gate / "release").exists()
 
@@ -289,4 +220,4 @@ def test_a_retry_without_the_record_is_refused_by_the_live_runs_checkpoint_lock(
 
     supervisor.terminate()  # the run this test started: its supervisor's own teardown, by PID
     stopped = time.monotonic()
-    _wait_gone(tree, staging, stopped, 15, "SIGTERM")
+    wait_gone(tree, staging, stopped, 15, "SIGTERM")

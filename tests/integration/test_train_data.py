@@ -16,13 +16,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import TrainingFailed
+from airflow_provider_torchdist.processes import is_alive
 from airflow_provider_torchdist.spark.data_shards import ROUTE_CONF
 from airflow_provider_torchdist.spark.shard_files import new_node_directory, remove_directory
 
@@ -116,18 +116,11 @@ def test_a_node_that_cannot_write_its_shard_fails_the_run_naming_it(
     # task's directory (new_node_directory), as after any crash: that is what runs here then.
     deadline = time.monotonic() + 20
     while (left := list(small_tmp.iterdir())) and time.monotonic() < deadline:
-        if all(not _alive(int(path.name.split("-")[2])) for path in left):
+        if all(not is_alive(int(path.name.split("-")[2])) for path in left):
             monkeypatch.setattr(tempfile, "tempdir", str(small_tmp))
             remove_directory(new_node_directory())
         time.sleep(0.2)
     assert list(small_tmp.iterdir()) == []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 @pytest.mark.parametrize("local_mode", [False, True], ids=["distributed", "local"])

@@ -324,6 +324,7 @@ def test_the_endpoint_requires_the_api_servers_authentication(
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__API__BASE_URL": deployment.url,
     }
+    env |= deployment.settings  # its metadata DB
     deployment.login()
     done = subprocess.run(
         [sys.executable, "-c", _REAL_APP, path, deployment.token],

@@ -21,7 +21,7 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import SparkSubmitFailed, TrainingFailed
-from airflow_provider_torchdist.processes import command_line
+from airflow_provider_torchdist.processes import command_line, is_alive
 from tests.cluster import (
     ClusterInfo,
     WorkerInfo,
@@ -98,13 +98,6 @@ def _cmd(proc: psutil.Process) -> str:
         return " ".join(proc.cmdline())
     except psutil.Error:
         return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _run_tree(rank_pid: int, worker_pids: set[int]) -> dict[str, int]:
@@ -218,11 +211,11 @@ def test_worker_lost_mid_training_fails_the_run_clearly_and_leaves_nothing(
 
     # Nothing of the run is left on the surviving worker: rank, agent, Python daemon, executor.
     deadline = time.monotonic() + 20
-    while any(_alive(pid) for pid in survivor_pids.values()) and time.monotonic() < deadline:
+    while any(is_alive(pid) for pid in survivor_pids.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = {name: pid for name, pid in survivor_pids.items() if _alive(pid)}
+    left = {name: pid for name, pid in survivor_pids.items() if is_alive(pid)}
     assert not left, f"left running on the surviving worker: {left}"
-    assert _alive(trees[survivor]["worker"])  # the surviving Worker itself is untouched
+    assert is_alive(trees[survivor]["worker"])  # the surviving Worker itself is untouched
 
 
 # Elastic runs (num_processes="MIN:MAX") on the same two hosts: the loss of a node is survived while
