@@ -31,8 +31,8 @@ __all__ = [
 _LAZY = {
     "TorchDistributorOperator": "airflow_provider_torchdist.operators.torch_distributor",
     "TorchDistributorHook": "airflow_provider_torchdist.hooks.torch_distributor",
-    "load_output": "airflow_provider_torchdist.results",
-    "output_origin": "airflow_provider_torchdist.results",
+    "load_output": "airflow_provider_torchdist.outputs.results",
+    "output_origin": "airflow_provider_torchdist.outputs.results",
     "report": "airflow_provider_torchdist.spark.metrics",
     "checkpoint_dir": "airflow_provider_torchdist.spark.checkpoints",
     "save_checkpoint": "airflow_provider_torchdist.spark.checkpoints",
@@ -44,7 +44,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
     from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
-    from airflow_provider_torchdist.results import load_output, output_origin
+    from airflow_provider_torchdist.outputs.results import load_output, output_origin
     from airflow_provider_torchdist.spark.checkpoints import (
         checkpoint_dir,
         load_latest_checkpoint,

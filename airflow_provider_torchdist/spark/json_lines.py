@@ -2,7 +2,7 @@
 
 Both protocols send one JSON object per line: the run channel's
 (:mod:`~airflow_provider_torchdist.spark.protocol`) and the lifeline's
-(:mod:`~airflow_provider_torchdist.lifeline`). Each raises its own error for a line that is not
+(:mod:`~airflow_provider_torchdist.supervision.lifeline`). Each raises its own error for a line that is not
 one. Standard library only.
 
 Example::

@@ -239,7 +239,7 @@ def launch_node(
     nproc = spec.nproc_per_node if master is not None or store is not None else spec.num_processes
     os.environ.update(rank_environment(spec, host, nproc, task_cpus))
     # The PID in the name lets a later run's supervisor sweep the directory once this process is
-    # dead (killed before the finally below ran): see airflow_provider_torchdist/sweep.py.
+    # dead (killed before the finally below ran): see airflow_provider_torchdist/supervision/sweep.py.
     log_dir = tempfile.mkdtemp(prefix=f"torchdist-agent-{os.getpid()}-")
     # The agent installs its own handlers for these; a reused Spark Python worker must get back the
     # ones it had, or it would not die when its daemon later tells it to.

@@ -20,7 +20,7 @@ from tests.integration.deployment import Deployment, wait_for
 
 pytestmark = pytest.mark.integration
 
-SUPERVISOR_MODULE = "airflow_provider_torchdist.supervisor"
+SUPERVISOR_MODULE = "airflow_provider_torchdist.supervision.supervisor"
 
 
 def _supervisors() -> dict[int, psutil.Process]:

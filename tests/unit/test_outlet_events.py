@@ -11,10 +11,15 @@ import torch
 from airflow.sdk import Asset, AssetAlias
 from airflow.sdk.execution_time.context import OutletEventAccessors
 
-from airflow_provider_torchdist.lifeline import RunStatus
+from airflow_provider_torchdist.operators.outlet_events import (
+    MAX_METRICS,
+    final_metrics,
+    run_extra,
+    set_outlet_extra,
+)
 from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
-from airflow_provider_torchdist.outlet_events import MAX_METRICS, final_metrics, run_extra, set_outlet_extra
-from airflow_provider_torchdist.results import load_output
+from airflow_provider_torchdist.outputs.results import load_output
+from airflow_provider_torchdist.supervision.lifeline import RunStatus
 from tests.unit.conftest import FakeTI
 
 MODEL = Asset("torchdist://models/retrain")

@@ -18,9 +18,9 @@ import cloudpickle
 import pytest
 import torch
 
-from airflow_provider_torchdist import output_storage, signing
-from airflow_provider_torchdist.output_storage import VerifiedChunks
-from airflow_provider_torchdist.results import (
+from airflow_provider_torchdist.outputs import signing
+from airflow_provider_torchdist.outputs import storage as output_storage
+from airflow_provider_torchdist.outputs.results import (
     DEFAULT_MAX_XCOM_OUTPUT_BYTES,
     ENVELOPE_KEY,
     ENVELOPE_VERSION,
@@ -30,6 +30,7 @@ from airflow_provider_torchdist.results import (
     output_origin,
     output_to_xcom,
 )
+from airflow_provider_torchdist.outputs.storage import VerifiedChunks
 from airflow_provider_torchdist.spark.channel import ChannelClient, RunChannel
 from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE
 from airflow_provider_torchdist.spark.output_store import (
@@ -300,7 +301,7 @@ def test_output_on_the_same_filesystem_is_moved_not_copied(tmp_path) -> None:
 
 def test_output_to_other_storage_is_streamed(tmp_path, monkeypatch) -> None:
     # Object storage (s3://...) or another filesystem: streamed through ObjectStoragePath both ways.
-    import airflow_provider_torchdist.results as results
+    import airflow_provider_torchdist.outputs.results as results
 
     monkeypatch.setattr(results, "local_path", lambda dest: None)
     monkeypatch.setattr(output_storage, "local_path", lambda dest: None)

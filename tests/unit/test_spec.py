@@ -17,7 +17,6 @@ import airflow_provider_torchdist
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
-from airflow_provider_torchdist.settings_checks import CHECKS, build_spec, check_settings
 from airflow_provider_torchdist.spark.jobspec import JobSpec
 from airflow_provider_torchdist.spec import (
     DEFAULT_CONN_ID,
@@ -32,6 +31,7 @@ from airflow_provider_torchdist.spec import (
     settings_for,
     templated_settings,
 )
+from airflow_provider_torchdist.submit.checks import CHECKS, build_spec, check_settings
 
 HOOK_SETTINGS = settings_for(RUN, SUBMIT)
 

@@ -19,7 +19,7 @@ import pytest
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, PayloadNotPicklable
 from airflow_provider_torchdist.spark.jobspec import PAYLOAD_FILE, SPEC_FILE, JobSpec
-from airflow_provider_torchdist.staging import (
+from airflow_provider_torchdist.submit.staging import (
     DRIVER_SCRIPT,
     PACKAGE_DIR,
     SPARK_ZIP,
