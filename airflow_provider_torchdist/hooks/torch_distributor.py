@@ -73,7 +73,7 @@ class TorchDistributorHook(BaseHook):
     pass a ready ``spec=`` (:func:`~airflow_provider_torchdist.submit.checks.build_spec`).
 
     :param spec: a ready, validated spec instead of the settings as keywords.
-    :param spark_submit_kwargs: any other keyword: a ``SparkSubmitHook`` argument.
+    :param settings: the settings as keywords, and any other keyword: a ``SparkSubmitHook`` argument.
 
     Example::
 
