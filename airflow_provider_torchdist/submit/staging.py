@@ -33,7 +33,8 @@ from airflow_provider_torchdist.submit.payload import (
 from airflow_provider_torchdist.submit.payload import pickle_payload
 from airflow_provider_torchdist.submit.train_module import module_name
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+#: The package's own folder (this module is in its submit/ subpackage).
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 SPARK_ZIP = "torchdist_spark.zip"
 DRIVER_SCRIPT = "torchdist_driver.py"
 _DRIVER_SOURCE = (
@@ -136,8 +137,8 @@ def _spark_zip(dest: Path) -> None:
         zf.write(PACKAGE_DIR / "__init__.py", "airflow_provider_torchdist/__init__.py")
         zf.write(PACKAGE_DIR / "spec.py", "airflow_provider_torchdist/spec.py")  # JobSpec's base
         for package in ("spark", "callbacks"):
-            for path in sorted((PACKAGE_DIR / package).glob("*.py")):
-                zf.write(path, f"airflow_provider_torchdist/{package}/{path.name}")
+            for path in sorted((PACKAGE_DIR / package).rglob("*.py")):
+                zf.write(path, f"airflow_provider_torchdist/{path.relative_to(PACKAGE_DIR).as_posix()}")
     os.chmod(dest, 0o600)
 
 
