@@ -4,7 +4,7 @@ Each setting is one field below, with its default, whether the operator template
 means (the docs of the operator and the hook are made from these), and how it is checked. The
 operator builds a spec after rendering its templates (and checks the non-templated values when the
 DAG is parsed); the hook takes the spec and plans the run from it; the Spark side reads it inside
-:class:`~airflow_provider_torchdist.spark.jobspec.JobSpec`, less the settings only ``spark-submit``
+:class:`~airflow_provider_torchdist.spark.wire.jobspec.JobSpec`, less the settings only ``spark-submit``
 needs.
 
 Adding a setting means: a field here (default, template flag, docs, check), its use, its docs in

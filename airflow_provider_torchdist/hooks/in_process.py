@@ -15,9 +15,9 @@ from typing import Any
 from airflow.providers.common.compat.sdk import AirflowException
 
 from airflow_provider_torchdist.errors import SparkSubmitFailed, TrainingFailed
-from airflow_provider_torchdist.spark.events import emit
-from airflow_provider_torchdist.spark.outcome import Outcome
-from airflow_provider_torchdist.spark.owner import write_owner_token
+from airflow_provider_torchdist.spark.driver.owner import write_owner_token
+from airflow_provider_torchdist.spark.wire.events import emit
+from airflow_provider_torchdist.spark.wire.outcome import Outcome
 from airflow_provider_torchdist.submit.follow import RunFollower
 from airflow_provider_torchdist.submit.plan import Submission
 from airflow_provider_torchdist.submit.staging import StagedRun

@@ -26,9 +26,9 @@ from airflow_provider_torchdist.errors import SparkSubmitFailed
 from airflow_provider_torchdist.hooks.arguments import HOOK_SETTINGS, hook_signature, spec_from_arguments
 from airflow_provider_torchdist.hooks.in_process import end_submission, raise_for_outcome, submit_and_follow
 from airflow_provider_torchdist.links import ApplicationLinks
-from airflow_provider_torchdist.spark.connect_driver import planned_session_id
-from airflow_provider_torchdist.spark.events import emit
-from airflow_provider_torchdist.spark.output_store import read_output
+from airflow_provider_torchdist.spark.connect.driver import planned_session_id
+from airflow_provider_torchdist.spark.wire.events import emit
+from airflow_provider_torchdist.spark.wire.output_store import read_output
 from airflow_provider_torchdist.spec import (
     DEFAULT_CONN_ID,
     DEFAULT_REATTACH_TIMEOUT,

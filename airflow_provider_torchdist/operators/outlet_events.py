@@ -22,7 +22,7 @@ from typing import Any
 from airflow.providers.common.compat.sdk import Asset
 
 from airflow_provider_torchdist.outputs.results import is_envelope
-from airflow_provider_torchdist.spark.metrics import RECORD_FIELDS
+from airflow_provider_torchdist.spark.node.metrics import RECORD_FIELDS
 from airflow_provider_torchdist.supervision.lifeline import RunStatus
 
 #: The most metric values an event's extra carries (a report() of hundreds would bloat every event).

@@ -46,7 +46,7 @@ from airflow_provider_torchdist.outputs.storage import (
     store_local,
     store_remote,
 )
-from airflow_provider_torchdist.spark.output_store import (
+from airflow_provider_torchdist.spark.wire.output_store import (
     FORMAT_JSON,
     FORMAT_PICKLE,
     FORMATS,

@@ -2,7 +2,7 @@
 
 A ``spark_connect`` connection sends the run through Spark Connect: instead of ``spark-submit``
 starting a Spark driver JVM here, a Python child process
-(:mod:`~airflow_provider_torchdist.spark.connect_driver`) opens a Connect session and runs the
+(:mod:`~airflow_provider_torchdist.spark.connect.driver`) opens a Connect session and runs the
 barrier stage on the server's cluster. :class:`ConnectSubmission` has :class:`.plan.Submission`'s
 interface (``run``, ``kill``, ``session``), so the hook's in-process path and the supervisor run it
 unchanged, and the follower, the outcome file and the kill by session work as for spark-submit.
@@ -25,8 +25,8 @@ from urllib.parse import urlparse
 from airflow.providers.common.compat.sdk import AirflowException
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed
-from airflow_provider_torchdist.spark.connect_driver import CHANNEL_HOST_ENV, URL_ENV
-from airflow_provider_torchdist.spark.events import emit
+from airflow_provider_torchdist.spark.connect.driver import CHANNEL_HOST_ENV, URL_ENV
+from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.submit.connection import CONNECT_CONN_TYPE, SparkTarget
 from airflow_provider_torchdist.submit.plan import CONNECT_CLIENT_ENV, Submission, SubmitPlan
@@ -95,7 +95,7 @@ def interrupt_lost_run(
     the session and its jobs with it). Raises ``TimeoutError`` when the server does not answer
     within ``timeout`` seconds. ``remote``: what makes the session (default ``SparkSession.builder.remote``).
 
-    It interrupts by the run's tag (:func:`.spark.connect_driver.job_tag`), which the record's
+    It interrupts by the run's tag (:func:`~airflow_provider_torchdist.spark.connect.driver.job_tag`), which the record's
     operation id may not be known for yet (a job still waiting for its slots has not reported).
 
     A driver that dies leaves its job to the server: the nodes end their ranks when they notice
@@ -103,7 +103,7 @@ def interrupt_lost_run(
     ``spark.connect.execute.manager.detachedTimeout``; until then, a job still waiting for its task
     slots, or whose nodes cannot tell the driver is gone (a frozen machine), would hold the cluster.
     """
-    from airflow_provider_torchdist.spark.connect_driver import job_tag, with_session
+    from airflow_provider_torchdist.spark.connect.driver import job_tag, with_session
 
     if remote is None:
         from pyspark.sql import SparkSession
@@ -179,7 +179,7 @@ class ConnectSubmission:
         command = [
             sys.executable,
             "-m",
-            "airflow_provider_torchdist.spark.connect_driver",
+            "airflow_provider_torchdist.spark.connect.driver",
             *self.plan.application_args,
             *user_py_files,
         ]

@@ -59,7 +59,7 @@ class SparkTarget:
     #: Spark settings the target needs (the embedded master keeps its servers on loopback).
     conf: dict[str, str] = field(default_factory=dict)
     #: A ``spark_connect`` connection's URL (``sc://host:port/;token=...``): the run goes through
-    #: Spark Connect instead of spark-submit (:mod:`~airflow_provider_torchdist.spark.connect_driver`).
+    #: Spark Connect instead of spark-submit (:mod:`~airflow_provider_torchdist.spark.connect.driver`).
     connect_url: str | None = None
 
     @property

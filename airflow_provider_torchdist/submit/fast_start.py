@@ -14,7 +14,7 @@ where ``spark-submit``'s environment is not the driver's.
 
 A benchmarking knob, not a setting: the environment variable ``TORCHDIST_FAST_START_OFF=jvm`` (or
 ``all``) switches it off in a run with ``fast_jvm_start`` on, so that ``bench/launch.py`` can measure
-what it saves (:func:`~airflow_provider_torchdist.spark.events.fast_start_off`).
+what it saves (:func:`~airflow_provider_torchdist.spark.wire.events.fast_start_off`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sysconfig
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from airflow_provider_torchdist.spark.events import fast_start_off
+from airflow_provider_torchdist.spark.wire.events import fast_start_off
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.submit.connection import SparkTarget
 from airflow_provider_torchdist.submit.jvm import (

@@ -1,7 +1,7 @@
 """Following a run from the Airflow side, as its owner: its log lines, application and metrics.
 
 The driver serves them on its run channel to whoever holds the run's owner token
-(:mod:`~airflow_provider_torchdist.spark.owner`); the hook writes the token into the staging
+(:mod:`~airflow_provider_torchdist.spark.driver.owner`); the hook writes the token into the staging
 directory before spark-submit starts and the driver writes the channel's address beside it. The
 follower waits for that address, connects, and hands every event to its callbacks until the driver
 closes the channel: no line of the task log comes from scraping spark-submit's output.
@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_torchdist.spark.channel_auth import ChannelRefused
-from airflow_provider_torchdist.spark.owner import OwnerClient, read_channel_address
-from airflow_provider_torchdist.spark.protocol import Application, LogLine, Metric
+from airflow_provider_torchdist.spark.driver.owner import OwnerClient, read_channel_address
+from airflow_provider_torchdist.spark.wire.channel_auth import ChannelRefused
+from airflow_provider_torchdist.spark.wire.protocol import Application, LogLine, Metric
 
 
 class RunFollower:

@@ -32,7 +32,7 @@ import psutil
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.spark.events import emit
+from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.submit.connection import SparkTarget, connection_in_environment
 from airflow_provider_torchdist.submit.fast_start import installed_spark_home

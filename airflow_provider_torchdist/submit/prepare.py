@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from airflow_provider_torchdist.spark.checkpoints import CHECKPOINT_ENV
+from airflow_provider_torchdist.spark.node.checkpoints import CHECKPOINT_ENV
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.submit.connect import check_connect_run
 from airflow_provider_torchdist.submit.connection import SparkTarget

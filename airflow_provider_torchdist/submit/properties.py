@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from airflow_provider_torchdist.spark.private_files import write_private_text
+from airflow_provider_torchdist.spark.wire.private_files import write_private_text
 
 _WHITESPACE = " \t\f"
 _UNESCAPE = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.spark.jobspec import (
+from airflow_provider_torchdist.spark.wire.jobspec import (
     DATA_FILE,
     OUTCOME_FILE,
     OUTPUT_FILE,
@@ -25,7 +25,7 @@ from airflow_provider_torchdist.spark.jobspec import (
     SPEC_FILE,
     JobSpec,
 )
-from airflow_provider_torchdist.spark.output_store import MANIFEST_SUFFIX
+from airflow_provider_torchdist.spark.wire.output_store import MANIFEST_SUFFIX
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.submit.payload import (
     modules_to_pickle_by_value as modules_to_pickle_by_value,  # re-exported
@@ -38,7 +38,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 SPARK_ZIP = "torchdist_spark.zip"
 DRIVER_SCRIPT = "torchdist_driver.py"
 _DRIVER_SOURCE = (
-    "import sys\nfrom airflow_provider_torchdist.spark.driver import run_and_exit\nrun_and_exit(sys.argv)\n"
+    "import sys\nfrom airflow_provider_torchdist.spark.app import run_and_exit\nrun_and_exit(sys.argv)\n"
 )
 #: The names this provider writes into a staging directory (and ships to the executors' working
 #: directories): a script of one of these names would overwrite them, or they it.

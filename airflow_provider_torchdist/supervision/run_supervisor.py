@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_torchdist.spark.private_files import write_private_text
+from airflow_provider_torchdist.spark.wire.private_files import write_private_text
 from airflow_provider_torchdist.supervision.config import EXIT_OK, SupervisorConfig, log, read_plan_text
 from airflow_provider_torchdist.supervision.lifeline import (
     OWNER_SILENCE_S,
@@ -141,7 +141,7 @@ class RunSupervisor(OwnerRules):
         self._conclude(submit_error)
 
     def _start_follower(self) -> None:
-        from airflow_provider_torchdist.spark.owner import write_owner_token
+        from airflow_provider_torchdist.spark.driver.owner import write_owner_token
         from airflow_provider_torchdist.submit.follow import RunFollower
 
         self._follower = RunFollower(

@@ -65,7 +65,7 @@ def forward_logs(on_line: Callable[[str], Any]) -> None:
     """
     import structlog
 
-    from airflow_provider_torchdist.spark.logsafe import escape_controls
+    from airflow_provider_torchdist.spark.wire.logsafe import escape_controls
 
     def to_owners(logger: Any, method_name: str, event_dict: Any) -> Any:
         event = event_dict.get("event") if isinstance(event_dict, dict) else None
@@ -83,8 +83,8 @@ def run_verdict(
 ) -> tuple[str, dict[str, Any]]:
     """spark-submit has ended: the run's end state and its details (for ``RunState.finish``), as
     ``hook.run()`` would judge it. ``output_file`` is rank 0's output file (None for a script)."""
-    from airflow_provider_torchdist.spark.outcome import Outcome
-    from airflow_provider_torchdist.spark.output_store import OutputManifest
+    from airflow_provider_torchdist.spark.wire.outcome import Outcome
+    from airflow_provider_torchdist.spark.wire.output_store import OutputManifest
 
     try:
         outcome = Outcome.read(staging_dir)
@@ -121,7 +121,7 @@ def run_verdict(
 
 def failure_summary(failure: dict[str, Any]) -> str:
     """One failed rank (as the run's status holds it) in a line of the supervisor's log."""
-    from airflow_provider_torchdist.spark.outcome import RankFailure
+    from airflow_provider_torchdist.spark.wire.outcome import RankFailure
 
     try:
         return RankFailure(**failure).summary()

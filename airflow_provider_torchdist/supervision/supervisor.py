@@ -52,7 +52,7 @@ import threading
 import time
 from pathlib import Path
 
-from airflow_provider_torchdist.spark.private_files import write_private_text
+from airflow_provider_torchdist.spark.wire.private_files import write_private_text
 from airflow_provider_torchdist.supervision.config import (
     ERROR_FILE,
     EXIT_LOCKED,

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
-from airflow_provider_torchdist.spark.events import emit
-from airflow_provider_torchdist.spark.outcome import RankFailure
+from airflow_provider_torchdist.spark.wire.events import emit
+from airflow_provider_torchdist.spark.wire.outcome import RankFailure
 from airflow_provider_torchdist.submit.plan import SubmitPlan
 from airflow_provider_torchdist.submit.properties import write_private_text
 from airflow_provider_torchdist.submit.staging import StagedRun

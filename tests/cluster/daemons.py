@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_torchdist.spark.network import free_port
+from airflow_provider_torchdist.spark.node.network import free_port
 from airflow_provider_torchdist.supervision.processes import (
     command_line,
     end_processes,

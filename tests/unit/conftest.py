@@ -54,7 +54,7 @@ def publish_value(value: object, output_dir: Path, generation: str = "0.0") -> P
 
     import cloudpickle
 
-    from airflow_provider_torchdist.spark.output_store import (
+    from airflow_provider_torchdist.spark.wire.output_store import (
         FORMAT_JSON,
         FORMAT_PICKLE,
         encode_json,
@@ -97,7 +97,7 @@ class FakeSpark:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 
-        from airflow_provider_torchdist.spark.outcome import Outcome
+        from airflow_provider_torchdist.spark.wire.outcome import Outcome
 
         #: What the driver reports; None: it never gets as far as writing an outcome.
         self.outcome: Outcome | None = Outcome(ok=True)
@@ -128,7 +128,7 @@ class FakeSpark:
         import cloudpickle
         from airflow.providers.common.compat.sdk import AirflowException
 
-        from airflow_provider_torchdist.spark.jobspec import SPEC_FILE, JobSpec
+        from airflow_provider_torchdist.spark.wire.jobspec import SPEC_FILE, JobSpec
         from airflow_provider_torchdist.submit.plan import SPARK_PROPERTIES_FILE
         from airflow_provider_torchdist.submit.properties import read_properties
 
@@ -284,7 +284,7 @@ def faked_spark(monkeypatch, fake_spark, inline_supervisor):
     makes (``make_hook``, its public seam) under ``"hooks"``."""
     from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
     from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
-    from airflow_provider_torchdist.spark.outcome import Outcome
+    from airflow_provider_torchdist.spark.wire.outcome import Outcome
 
     fake_spark.outcome = Outcome(ok=True, metrics=[{"rank": 0, "step": 0, "loss": 1.0}])
     hooks: list[TorchDistributorHook] = []

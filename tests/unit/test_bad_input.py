@@ -679,7 +679,7 @@ def test_local_directories_are_created_private_and_test_written(tmp_path: Path, 
 def test_a_file_uri_checkpoint_dir_is_the_local_path_for_the_ranks(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from airflow_provider_torchdist.spark.checkpoints import CHECKPOINT_ENV, checkpoint_dir
+    from airflow_provider_torchdist.spark.node.checkpoints import CHECKPOINT_ENV, checkpoint_dir
 
     monkeypatch.setenv(CHECKPOINT_ENV, f"file://{tmp_path}/ckpt")
     assert checkpoint_dir() == tmp_path / "ckpt"  # what preflight checked, not a relative "file:/..."

@@ -12,8 +12,7 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed
-from airflow_provider_torchdist.spark.channel_auth import HelloRefused
-from airflow_provider_torchdist.spark.connect_driver import (
+from airflow_provider_torchdist.spark.connect.driver import (
     ConnectVerifier,
     SlotWatch,
     channel_host,
@@ -24,6 +23,7 @@ from airflow_provider_torchdist.spark.connect_driver import (
     shared_session_id,
     with_session,
 )
+from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused
 from airflow_provider_torchdist.submit.connect import ConnectSubmission, check_connect_run, submission_for
 from airflow_provider_torchdist.submit.plan import Submission
 
@@ -168,8 +168,8 @@ def test_the_channel_binds_on_the_route_to_the_server_and_the_job_has_the_runs_t
 
 
 def test_a_driver_without_a_url_writes_a_failed_outcome(tmp_path) -> None:
-    from airflow_provider_torchdist.spark.jobspec import JobSpec
-    from airflow_provider_torchdist.spark.outcome import Outcome
+    from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
+    from airflow_provider_torchdist.spark.wire.outcome import Outcome
 
     spec = JobSpec(kind="callable", entry="payload.pkl", num_processes=2, run_id="r", token="t" * 32)
     path = spec.write(tmp_path)
@@ -362,7 +362,7 @@ def test_a_server_that_does_not_answer_fails_the_interrupt_in_bounded_time() -> 
 
 
 def test_the_planned_session_is_the_urls_own_or_the_shared_one(monkeypatch, tmp_path) -> None:
-    from airflow_provider_torchdist.spark.connect_driver import planned_session_id, session_cache
+    from airflow_provider_torchdist.spark.connect.driver import planned_session_id, session_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     url = "sc://h:15002/;token=t"
@@ -372,7 +372,7 @@ def test_the_planned_session_is_the_urls_own_or_the_shared_one(monkeypatch, tmp_
 
 
 def test_the_operation_is_announced_once_with_the_application(tmp_path) -> None:
-    from airflow_provider_torchdist.spark.connect_driver import OperationAnnouncer
+    from airflow_provider_torchdist.spark.connect.driver import OperationAnnouncer
 
     said: list[tuple] = []
     channel = type("Channel", (), {"application": lambda self, *args: said.append(args)})()
@@ -391,7 +391,7 @@ def test_the_operation_is_announced_once_with_the_application(tmp_path) -> None:
 
 
 def test_a_payload_over_the_servers_message_limit_is_refused_before_the_job_goes() -> None:
-    from airflow_provider_torchdist.spark.connect_driver import check_payload_size
+    from airflow_provider_torchdist.spark.connect.driver import check_payload_size
 
     conf = type("Conf", (), {"get": lambda self, key, default=None: str(8 * 2**20)})()
     spark = type("Spark", (), {"conf": conf})()

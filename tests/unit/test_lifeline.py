@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from airflow_provider_torchdist.spark.output_store import OutputManifest, read_output
+from airflow_provider_torchdist.spark.wire.output_store import OutputManifest, read_output
 from airflow_provider_torchdist.supervision.lifeline import (
     MAX_LINE_BYTES,
     AppEvent,

@@ -12,7 +12,7 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorOperator
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.spark.rank import call_entry
+from airflow_provider_torchdist.spark.node.rank import call_entry
 from airflow_provider_torchdist.submit.checks import build_spec
 from airflow_provider_torchdist.submit.connection import SparkTarget
 from airflow_provider_torchdist.submit.prepare import plan_staged

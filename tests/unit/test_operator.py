@@ -20,7 +20,7 @@ from airflow_provider_torchdist.outputs.results import (
     load_output,
     output_origin,
 )
-from airflow_provider_torchdist.spark.outcome import Outcome, RankFailure
+from airflow_provider_torchdist.spark.wire.outcome import Outcome, RankFailure
 from tests.unit.conftest import FakeTI, plan_without_a_run
 
 

@@ -107,7 +107,7 @@ def test_without_outlets_no_extra_is_set():
 
 def test_a_failed_run_sets_no_extra(faked_spark):
     from airflow_provider_torchdist.errors import TrainingFailed
-    from airflow_provider_torchdist.spark.outcome import Outcome, RankFailure
+    from airflow_provider_torchdist.spark.wire.outcome import Outcome, RankFailure
 
     faked_spark.outcome = Outcome(
         ok=False, failures=[RankFailure(rank=0, exc_type="RuntimeError", message="x")]

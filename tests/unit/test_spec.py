@@ -17,7 +17,7 @@ import airflow_provider_torchdist
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
-from airflow_provider_torchdist.spark.jobspec import JobSpec
+from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spec import (
     DEFAULT_CONN_ID,
     LINEAGE,

@@ -18,7 +18,7 @@ import cloudpickle
 import pytest
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, PayloadNotPicklable
-from airflow_provider_torchdist.spark.jobspec import PAYLOAD_FILE, SPEC_FILE, JobSpec
+from airflow_provider_torchdist.spark.wire.jobspec import PAYLOAD_FILE, SPEC_FILE, JobSpec
 from airflow_provider_torchdist.submit.staging import (
     DRIVER_SCRIPT,
     PACKAGE_DIR,
@@ -320,9 +320,9 @@ def test_spark_zip_holds_the_spark_side_without_airflow(tmp_path):
         for p in (PACKAGE_DIR / package).glob("*.py")
     }
     assert names == expected
-    assert "airflow_provider_torchdist/spark/driver.py" in names
+    assert "airflow_provider_torchdist/spark/app.py" in names
     assert "airflow_provider_torchdist/callbacks/lightning_report.py" in names
-    assert "airflow_provider_torchdist/spark/rank.py" in names
+    assert "airflow_provider_torchdist/spark/node/rank.py" in names
     for name, source in sources.items():
         assert not _AIRFLOW_IMPORT.search(source), f"{name} imports airflow"
 

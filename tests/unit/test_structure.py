@@ -34,6 +34,15 @@ LAYERS: list[set[str]] = [
     {"spark"},  # the driver, the ranks and the data: no Airflow
     {"spec"},  # the one typed spec, shipped to the cluster
 ]
+#: Inside ``spark/``, the same rule, top first (``app`` is the application spark-submit runs).
+SPARK_LAYERS: list[set[str]] = [
+    {"connect"},  # the driver over Spark Connect
+    {"app"},  # the driver application: local, distributed and elastic runs
+    {"data", "elastic"},  # train_data; elastic world sizes
+    {"driver"},  # the driver's SparkContext, run channel and scheduler views
+    {"node"},  # the barrier task, torchrun's agent and the ranks
+    {"wire"},  # messages, files and their formats
+]
 MODULE_LINES = 300
 FUNCTION_LINES = 60
 SIZE_REASON = "# size:"
@@ -46,43 +55,47 @@ NOT_YET_SPLIT = {
     "airflow_provider_torchdist/triggers/torch_distributor.py",
     "airflow_provider_torchdist/submit/plan.py",
     "airflow_provider_torchdist/submit/staging.py stage_run",
-    "airflow_provider_torchdist/spark/barrier.py barrier_task",
-    "airflow_provider_torchdist/spark/channel.py",
-    "airflow_provider_torchdist/spark/connect_driver.py",
-    "airflow_provider_torchdist/spark/connect_driver.py run_connect",
-    "airflow_provider_torchdist/spark/data_shards.py",
-    "airflow_provider_torchdist/spark/driver.py run_distributed",
-    "airflow_provider_torchdist/spark/elastic.py elastic_task",
-    "airflow_provider_torchdist/spark/elastic_run.py run_elastic",
-    "airflow_provider_torchdist/spark/launcher.py launch_node",
-    "airflow_provider_torchdist/spark/protocol.py",
-    "airflow_provider_torchdist/spark/rank.py run_rank",
+    "airflow_provider_torchdist/spark/node/barrier.py barrier_task",
+    "airflow_provider_torchdist/spark/driver/channel.py",
+    "airflow_provider_torchdist/spark/connect/driver.py",
+    "airflow_provider_torchdist/spark/connect/driver.py run_connect",
+    "airflow_provider_torchdist/spark/data/data_shards.py",
+    "airflow_provider_torchdist/spark/app.py run_distributed",
+    "airflow_provider_torchdist/spark/elastic/task.py elastic_task",
+    "airflow_provider_torchdist/spark/elastic/run.py run_elastic",
+    "airflow_provider_torchdist/spark/node/launcher.py launch_node",
+    "airflow_provider_torchdist/spark/wire/protocol.py",
+    "airflow_provider_torchdist/spark/node/rank.py run_rank",
 }
 
 
-def layer_of(module: str) -> str | None:
-    """The layer name of a dotted module name (None for the package's root)."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else None
+def layer_of(module: str, package: str = PACKAGE) -> str | None:
+    """The layer name of a dotted module name inside ``package`` (None for the package itself, or a
+    module outside it)."""
+    if not module.startswith(package + "."):
+        return None
+    return module[len(package) + 1 :].split(".")[0]
 
 
-def rank_of(name: str) -> int:
-    for rank, layer in enumerate(LAYERS):
+def rank_of(name: str, layers: list[set[str]] = LAYERS) -> int:
+    for rank, layer in enumerate(layers):
         if name in layer:
             return rank
-    raise AssertionError(f"{name!r} is in no layer: add it to LAYERS in {__file__}")
+    raise AssertionError(f"{name!r} is in no layer: add it to the layers in {__file__}")
 
 
-def upward_imports(graph: dict[str, set[str]]) -> list[str]:
-    """Every import of a module in a higher layer than the importer's."""
+def upward_imports(
+    graph: dict[str, set[str]], package: str = PACKAGE, layers: list[set[str]] = LAYERS
+) -> list[str]:
+    """Every import, among ``package``'s modules, of a module in a higher layer than the importer's."""
     found = []
     for source, targets in sorted(graph.items()):
-        here = layer_of(source)
+        here = layer_of(source, package)
         if here is None:
             continue
         for target in sorted(targets):
-            there = layer_of(target)
-            if there is not None and rank_of(there) < rank_of(here):
+            there = layer_of(target, package)
+            if there is not None and rank_of(there, layers) < rank_of(here, layers):
                 found.append(f"{source} ({here}) imports {target} ({there})")
     return found
 
@@ -99,6 +112,16 @@ def test_imports_go_down_the_layers() -> None:
     graph = import_graph(module_files())
     assert f"{PACKAGE}.operators.torch_distributor" in graph  # the graph is really built
     assert upward_imports(graph) == []
+
+
+def test_imports_go_down_the_layers_inside_spark() -> None:
+    graph = import_graph(module_files())
+    spark = f"{PACKAGE}.spark"
+    assert f"{spark}.node.rank" in graph  # the graph is really built
+    for entry in (ROOT / "spark").iterdir():
+        if (entry.suffix == ".py" and entry.stem != "__init__") or (entry / "__init__.py").exists():
+            rank_of(entry.stem, SPARK_LAYERS)
+    assert upward_imports(graph, spark, SPARK_LAYERS) == []
 
 
 def test_an_upward_import_is_found(tmp_path: Path) -> None:

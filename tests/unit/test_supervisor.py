@@ -17,8 +17,8 @@ from typing import Any
 import psutil
 import pytest
 
-from airflow_provider_torchdist.spark.outcome import Outcome, RankFailure
-from airflow_provider_torchdist.spark.output_store import read_output
+from airflow_provider_torchdist.spark.wire.outcome import Outcome, RankFailure
+from airflow_provider_torchdist.spark.wire.output_store import read_output
 from airflow_provider_torchdist.submit.checks import build_spec
 from airflow_provider_torchdist.submit.connection import SparkTarget
 from airflow_provider_torchdist.submit.plan import build_plan
@@ -464,7 +464,7 @@ import os, sys
 from pathlib import Path
 sys.path.insert(0, {str(Path(__file__).parents[2])!r})
 from tests.unit.conftest import publish_value
-from airflow_provider_torchdist.spark.outcome import Outcome
+from airflow_provider_torchdist.spark.wire.outcome import Outcome
 staging = Path(sys.argv[-1]).parent
 publish_value(42, staging)
 Outcome(ok=True).write(staging)

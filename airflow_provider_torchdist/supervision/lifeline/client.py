@@ -144,7 +144,7 @@ class OwnerConnection:
 
     def fetch_output(self, dest_dir: Path) -> Path | None:
         """Rank 0's output, once the run has ended, as ``dest_dir/output.pkl`` (0600) with the
-        manifest beside it that :class:`~airflow_provider_torchdist.spark.output_store.OutputManifest`
+        manifest beside it that :class:`~airflow_provider_torchdist.spark.wire.output_store.OutputManifest`
         reads; None when the run has none (a script, a failed run).
 
         Reads the rest of the event stream first when :meth:`events` has not reached ``done``.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, BinaryIO
 
-from airflow_provider_torchdist.spark.json_lines import json_object
+from airflow_provider_torchdist.spark.wire.json_lines import json_object
 
 LIFELINE_VERSION = 1
 #: How often an owner (and an idle supervisor) says it is still there.

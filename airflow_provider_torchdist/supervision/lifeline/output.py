@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from airflow_provider_torchdist.spark.output_store import publish_output
+from airflow_provider_torchdist.spark.wire.output_store import publish_output
 from airflow_provider_torchdist.supervision.lifeline.events import (
     ErrorEvent,
     _Closing,

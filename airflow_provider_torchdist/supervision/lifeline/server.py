@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-from airflow_provider_torchdist.spark.channel_auth import HelloRefused, read_line
+from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused, read_line
 from airflow_provider_torchdist.supervision.lifeline.handshake import (
     _NONCE,
     _check_run_id,
