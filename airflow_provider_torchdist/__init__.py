@@ -31,27 +31,27 @@ __all__ = [
 _LAZY = {
     "TorchDistributorOperator": "airflow_provider_torchdist.operators.torch_distributor",
     "TorchDistributorHook": "airflow_provider_torchdist.hooks.torch_distributor",
-    "load_output": "airflow_provider_torchdist.results",
-    "output_origin": "airflow_provider_torchdist.results",
-    "report": "airflow_provider_torchdist.spark.metrics",
-    "checkpoint_dir": "airflow_provider_torchdist.spark.checkpoints",
-    "save_checkpoint": "airflow_provider_torchdist.spark.checkpoints",
-    "load_latest_checkpoint": "airflow_provider_torchdist.spark.checkpoints",
-    "rank_shard": "airflow_provider_torchdist.spark.rank_data",
-    "rank_batches": "airflow_provider_torchdist.spark.rank_data",
+    "load_output": "airflow_provider_torchdist.outputs.results",
+    "output_origin": "airflow_provider_torchdist.outputs.results",
+    "report": "airflow_provider_torchdist.spark.node.metrics",
+    "checkpoint_dir": "airflow_provider_torchdist.spark.node.checkpoints",
+    "save_checkpoint": "airflow_provider_torchdist.spark.node.checkpoints",
+    "load_latest_checkpoint": "airflow_provider_torchdist.spark.node.checkpoints",
+    "rank_shard": "airflow_provider_torchdist.spark.data.rank_data",
+    "rank_batches": "airflow_provider_torchdist.spark.data.rank_data",
 }
 
 if TYPE_CHECKING:
     from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
     from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
-    from airflow_provider_torchdist.results import load_output, output_origin
-    from airflow_provider_torchdist.spark.checkpoints import (
+    from airflow_provider_torchdist.outputs.results import load_output, output_origin
+    from airflow_provider_torchdist.spark.data.rank_data import rank_batches, rank_shard
+    from airflow_provider_torchdist.spark.node.checkpoints import (
         checkpoint_dir,
         load_latest_checkpoint,
         save_checkpoint,
     )
-    from airflow_provider_torchdist.spark.metrics import report
-    from airflow_provider_torchdist.spark.rank_data import rank_batches, rank_shard
+    from airflow_provider_torchdist.spark.node.metrics import report
 
 
 def __getattr__(name: str) -> Any:

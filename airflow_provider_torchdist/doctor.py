@@ -141,7 +141,7 @@ def _torch() -> Finding:
 
 
 def _signing_key() -> Finding:
-    from airflow_provider_torchdist.signing import _key_file
+    from airflow_provider_torchdist.outputs.signing import _key_file
 
     try:
         from airflow.configuration import conf

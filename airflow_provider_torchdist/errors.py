@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from airflow.providers.common.compat.sdk import AirflowException
 
-from airflow_provider_torchdist.spark.outcome import RankFailure
+from airflow_provider_torchdist.spark.wire.outcome import RankFailure
 
 
 class TorchDistributorError(AirflowException):

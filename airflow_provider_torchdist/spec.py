@@ -4,20 +4,22 @@ Each setting is one field below, with its default, whether the operator template
 means (the docs of the operator and the hook are made from these), and how it is checked. The
 operator builds a spec after rendering its templates (and checks the non-templated values when the
 DAG is parsed); the hook takes the spec and plans the run from it; the Spark side reads it inside
-:class:`~airflow_provider_torchdist.spark.jobspec.JobSpec`, less the settings only ``spark-submit``
+:class:`~airflow_provider_torchdist.spark.wire.jobspec.JobSpec`, less the settings only ``spark-submit``
 needs.
 
 Adding a setting means: a field here (default, template flag, docs, check), its use, its docs in
 the README, its tests. The operator's and hook's signatures, template fields and docstrings follow.
 
 Standard library only: the Spark side imports this module too. The checks, which raise Airflow's
-exceptions, are :mod:`~airflow_provider_torchdist.settings_checks`'s; a spec is built through them.
+exceptions, are :mod:`~airflow_provider_torchdist.submit.checks`'s; a spec is built through them.
 
 Example::
 
-    spec = build_spec(num_processes=4, nproc_per_node=2)   # settings_checks.build_spec
+    spec = build_spec(num_processes=4, nproc_per_node=2)   # submit.checks.build_spec
     spec.num_nodes  # 2
 """
+
+# size: the one typed spec of every setting, each with its documentation; it stays whole on purpose.
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ DEFAULT_REATTACH_TIMEOUT = 600.0
 
 def setting(default: Any, doc: str, *, templated: bool = False, scope: str = RUN, check: str = "") -> Any:
     """A field of :class:`TrainingSpec`: its default, docs, template flag, scope and check (a name
-    of :data:`airflow_provider_torchdist.settings_checks.CHECKS`)."""
+    of :data:`airflow_provider_torchdist.submit.checks.CHECKS`)."""
     meta = {"doc": doc, "templated": templated, "scope": scope, "check": check}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)

@@ -32,7 +32,7 @@ from common import PYTHON, WORKLOADS, bench_env, log, machine_info, median, upda
 
 #: Phases of a distributed-mode launch: (key, label, start point, end point). Consecutive, so they
 #: add up to the hook's wall time. A point is a phase event of the package
-#: (:data:`airflow_provider_torchdist.spark.events.PHASES`), a process start or end seen by the
+#: (:data:`airflow_provider_torchdist.spark.wire.events.PHASES`), a process start or end seen by the
 #: sampler, or a timestamp of the traced process itself; :func:`timeline` resolves them.
 DIST_PHASES = [
     ("hook_import", "hook process: interpreter + import Airflow, hook, cloudpickle", "spawn", "imported"),

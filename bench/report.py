@@ -131,7 +131,7 @@ def _profile(sec: dict[str, Any]) -> list[str]:
         "",
         "`python bench/profile_launch.py`: the hook run by `bench/workloads/hook_traced.py` with "
         "`TORCHDIST_EVENT_LOG` set, so the hook, the driver, each barrier task and torchrun agent and each rank "
-        "append the package's own timestamped phase events (`airflow_provider_torchdist/spark/events.py`) to one "
+        "append the package's own timestamped phase events (`airflow_provider_torchdist/spark/wire/events.py`) to one "
         "file; a psutil sampler adds the process starts and exits no event can mark. Nothing is patched. "
         f"Consecutive phases, medians of {sec['rounds']} runs each (phases are medians, so they need not add "
         "up exactly to the total).",

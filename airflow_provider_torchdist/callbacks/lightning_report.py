@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from airflow_provider_torchdist.callbacks.scalars import known_total, scalar_metrics
-from airflow_provider_torchdist.spark.metrics import report
+from airflow_provider_torchdist.spark.node.metrics import report
 
 #: Lightning's own default for ``Trainer(log_every_n_steps=...)``.
 LIGHTNING_LOG_EVERY_N_STEPS = 50

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from airflow_provider_torchdist.spark.metrics import RECORD_FIELDS
+from airflow_provider_torchdist.spark.node.metrics import RECORD_FIELDS
 
 
 def scalar_metrics(values: Mapping[Any, Any]) -> dict[str, int | float]:

@@ -7,7 +7,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from airflow_provider_torchdist.callbacks.scalars import known_total, scalar_metrics
-from airflow_provider_torchdist.spark.metrics import report
+from airflow_provider_torchdist.spark.node.metrics import report
 
 
 class TransformersReportCallback(TrainerCallback):

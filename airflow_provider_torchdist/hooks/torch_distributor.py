@@ -1,15 +1,15 @@
 """TorchDistributorHook: a spec in, rank 0's value out; spark-submit through the Spark provider's hook.
 
-The hook plans and submits. It resolves the connection (:mod:`~airflow_provider_torchdist.connection`),
-runs the checks that can fail before anything starts (:mod:`~airflow_provider_torchdist.preflight`),
-stages the work (:mod:`~airflow_provider_torchdist.staging`), turns all of it into a plain
-:class:`~airflow_provider_torchdist.submit_plan.SubmitPlan`, and runs that through
+The hook plans and submits. It resolves the connection (:mod:`~airflow_provider_torchdist.submit.connection`),
+runs the checks that can fail before anything starts (:mod:`~airflow_provider_torchdist.submit.preflight`),
+stages the work (:mod:`~airflow_provider_torchdist.submit.staging`), turns all of it into a plain
+:class:`~airflow_provider_torchdist.submit.plan.SubmitPlan`, and runs that through
 ``SparkSubmitHook``'s public constructor and ``submit()``.
 
-Its pieces live beside it: its arguments (:mod:`~airflow_provider_torchdist.hook_arguments`), the
-checks, staging and plan (:mod:`~airflow_provider_torchdist.run_prepare`), the in-process run
-(:mod:`~airflow_provider_torchdist.in_process`) and the supervised one
-(:mod:`~airflow_provider_torchdist.run_owner`).
+Its pieces live beside it: its arguments (:mod:`~airflow_provider_torchdist.hooks.arguments`), the
+checks, staging and plan (:mod:`~airflow_provider_torchdist.submit.prepare`), the in-process run
+(:mod:`~airflow_provider_torchdist.hooks.in_process`) and the supervised one
+(:mod:`~airflow_provider_torchdist.supervision.task_side`).
 """
 
 from __future__ import annotations
@@ -22,20 +22,34 @@ from typing import Any, TypeVar
 
 from airflow.providers.common.compat.sdk import BaseHook
 
-from airflow_provider_torchdist.connect_engine import (
+from airflow_provider_torchdist.errors import SparkSubmitFailed
+from airflow_provider_torchdist.hooks.arguments import HOOK_SETTINGS, hook_signature, spec_from_arguments
+from airflow_provider_torchdist.hooks.in_process import end_submission, raise_for_outcome, submit_and_follow
+from airflow_provider_torchdist.links import ApplicationLinks
+from airflow_provider_torchdist.spark.connect.driver import planned_session_id
+from airflow_provider_torchdist.spark.wire.events import emit
+from airflow_provider_torchdist.spark.wire.output_store import read_output
+from airflow_provider_torchdist.spec import (
+    DEFAULT_CONN_ID,
+    DEFAULT_REATTACH_TIMEOUT,
+    TrainingSpec,
+    documented,
+)
+from airflow_provider_torchdist.submit.connect import (
     ConnectSubmission,
     interrupt_lost_run,
     submission_for,
 )
-from airflow_provider_torchdist.connection import CONN_TYPE, SparkTarget, resolve_target
-from airflow_provider_torchdist.errors import SparkSubmitFailed
-from airflow_provider_torchdist.fast_start import FastStart
-from airflow_provider_torchdist.hook_arguments import HOOK_SETTINGS, hook_signature, spec_from_arguments
-from airflow_provider_torchdist.in_process import end_submission, raise_for_outcome, submit_and_follow
-from airflow_provider_torchdist.lifeline import LifelineError, OwnerConnection, RunStatus
-from airflow_provider_torchdist.links import ApplicationLinks
-from airflow_provider_torchdist.masking import mask_setting_secrets
-from airflow_provider_torchdist.run_owner import (
+from airflow_provider_torchdist.submit.connection import CONN_TYPE, SparkTarget, resolve_target
+from airflow_provider_torchdist.submit.fast_start import FastStart
+from airflow_provider_torchdist.submit.masking import mask_setting_secrets
+from airflow_provider_torchdist.submit.plan import Submission, SubmitPlan
+from airflow_provider_torchdist.submit.prepare import check_and_stage, plan_staged
+from airflow_provider_torchdist.submit.staging import StagedRun
+from airflow_provider_torchdist.submit.validation import check_deploy_mode
+from airflow_provider_torchdist.supervision.lifeline import LifelineError, OwnerConnection, RunStatus
+from airflow_provider_torchdist.supervision.record import RunRecord
+from airflow_provider_torchdist.supervision.task_side import (
     connect_owner,
     end_run,
     follow_to_end,
@@ -43,20 +57,6 @@ from airflow_provider_torchdist.run_owner import (
     raise_for_failure,
     start_supervisor,
 )
-from airflow_provider_torchdist.run_prepare import check_and_stage, plan_staged
-from airflow_provider_torchdist.run_record import RunRecord
-from airflow_provider_torchdist.spark.connect_driver import planned_session_id
-from airflow_provider_torchdist.spark.events import emit
-from airflow_provider_torchdist.spark.output_store import read_output
-from airflow_provider_torchdist.spec import (
-    DEFAULT_CONN_ID,
-    DEFAULT_REATTACH_TIMEOUT,
-    TrainingSpec,
-    documented,
-)
-from airflow_provider_torchdist.staging import StagedRun
-from airflow_provider_torchdist.submit_plan import Submission, SubmitPlan
-from airflow_provider_torchdist.validation import check_deploy_mode
 
 T = TypeVar("T")
 
@@ -70,10 +70,10 @@ class TorchDistributorHook(BaseHook):
     configured, the run goes to an embedded ``local[N]`` master on this machine. Every setting of
     :class:`~airflow_provider_torchdist.spec.TrainingSpec` is a keyword argument; any other keyword
     is a ``SparkSubmitHook`` argument (``executor_memory``, ``driver_memory``, ``name``, ...). Or
-    pass a ready ``spec=`` (:func:`~airflow_provider_torchdist.settings_checks.build_spec`).
+    pass a ready ``spec=`` (:func:`~airflow_provider_torchdist.submit.checks.build_spec`).
 
     :param spec: a ready, validated spec instead of the settings as keywords.
-    :param spark_submit_kwargs: any other keyword: a ``SparkSubmitHook`` argument.
+    :param settings: the settings as keywords, and any other keyword: a ``SparkSubmitHook`` argument.
 
     Example::
 
@@ -148,7 +148,7 @@ class TorchDistributorHook(BaseHook):
         This library path decodes rank 0's value here, unpickling it when it is not JSON: its
         caller is the one who ran the training, on this machine, so nothing in between could have
         changed it. The operator never unpickles; it signs the bytes for XCom
-        (:func:`~airflow_provider_torchdist.results.output_to_xcom`).
+        (:func:`~airflow_provider_torchdist.outputs.results.output_to_xcom`).
 
         Raises :class:`TrainingFailed` naming each failed rank, its host and its exception.
         """
@@ -211,7 +211,7 @@ class TorchDistributorHook(BaseHook):
         The run no longer lives and dies with this process: :meth:`follow` owns it (this hook is
         connected as its owner already), and a retry or a trigger can own it later from the
         record. Without an owner, a ``durable=False`` run ends within 15 s; a durable one waits
-        ``reattach_timeout`` seconds for the next (see :mod:`~airflow_provider_torchdist.run_owner`).
+        ``reattach_timeout`` seconds for the next (see :mod:`~airflow_provider_torchdist.supervision.task_side`).
         """
         staged, self._fast = self._prepare(train_object, args, kwargs)
         assert self.plan is not None

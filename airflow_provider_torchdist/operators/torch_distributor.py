@@ -17,39 +17,21 @@ from typing import Any
 from airflow.providers.common.compat.sdk import BaseOperator, ResumableJobMixin
 from airflow.providers.common.compat.sdk import conf as airflow_conf
 
-from airflow_provider_torchdist import run_paths
 from airflow_provider_torchdist.errors import SparkSubmitFailed
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
-from airflow_provider_torchdist.lineage import inject_openlineage
 from airflow_provider_torchdist.links import SparkHistoryServerLink, SparkMasterAppLink, SparkUILink
-from airflow_provider_torchdist.outlet_events import run_extra, set_outlet_extra
-from airflow_provider_torchdist.preflight import check_output_path
-from airflow_provider_torchdist.run_owner import (
-    ACTIVE_STATES,
-    GONE,
-    check_deferral,
-    end_run,
-    run_state,
-    stop_abandoned,
-)
-from airflow_provider_torchdist.run_record import RECORD_KEY, RunRecord
-from airflow_provider_torchdist.run_timeout import (
-    TRIGGER_TIMEOUT_MARGIN_S,
-    DeadlineWatch,
-    seconds_left,
-    timeout_error,
-    try_deadline,
-)
-from airflow_provider_torchdist.run_xcom import METRICS_XCOM_KEY as METRICS_XCOM_KEY  # public since 0.1
-from airflow_provider_torchdist.run_xcom import WORLD_SIZES_XCOM_KEY as WORLD_SIZES_XCOM_KEY
-from airflow_provider_torchdist.run_xcom import (
+from airflow_provider_torchdist.operators.lineage import inject_openlineage
+from airflow_provider_torchdist.operators.outlet_events import run_extra, set_outlet_extra
+from airflow_provider_torchdist.operators.xcom import METRICS_XCOM_KEY as METRICS_XCOM_KEY  # public since 0.1
+from airflow_provider_torchdist.operators.xcom import WORLD_SIZES_XCOM_KEY as WORLD_SIZES_XCOM_KEY
+from airflow_provider_torchdist.operators.xcom import (
     link_pusher,
     metrics_pusher,
     output_handler,
     push_link_placeholders,
     push_world_sizes,
 )
-from airflow_provider_torchdist.settings_checks import build_spec, check_settings
+from airflow_provider_torchdist.outputs import paths as run_paths
 from airflow_provider_torchdist.spec import (
     SETTINGS,
     TrainingSpec,
@@ -57,8 +39,26 @@ from airflow_provider_torchdist.spec import (
     signature_of,
     templated_settings,
 )
+from airflow_provider_torchdist.submit.checks import build_spec, check_settings
+from airflow_provider_torchdist.submit.preflight import check_output_path
+from airflow_provider_torchdist.submit.validation import check_args, check_train_object, is_template
+from airflow_provider_torchdist.supervision.deadline import (
+    TRIGGER_TIMEOUT_MARGIN_S,
+    DeadlineWatch,
+    seconds_left,
+    timeout_error,
+    try_deadline,
+)
+from airflow_provider_torchdist.supervision.record import RECORD_KEY, RunRecord
+from airflow_provider_torchdist.supervision.task_side import (
+    ACTIVE_STATES,
+    GONE,
+    check_deferral,
+    end_run,
+    run_state,
+    stop_abandoned,
+)
 from airflow_provider_torchdist.triggers.torch_distributor import TorchDistributorTrigger
-from airflow_provider_torchdist.validation import check_args, check_train_object, is_template
 
 path_component = run_paths.path_component  # public since 0.1
 #: What Airflow's scheduler stores for a deferred task whose trigger timed out (``next_method`` and
@@ -181,7 +181,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         """The spec of this task's run, from its rendered settings; with ``context``, the default
         checkpoint directory is this task's (the same for every try in the DAG run), and ``conf``
         carries the task's OpenLineage identity when asked for
-        (:mod:`~airflow_provider_torchdist.lineage`)."""
+        (:mod:`~airflow_provider_torchdist.operators.lineage`)."""
         spec = build_spec(**{name: getattr(self, name) for name in SETTINGS})
         if context is None:
             return spec
@@ -448,7 +448,7 @@ class TorchDistributorOperator(ResumableJobMixin, BaseOperator):
         return value
 
     def default_checkpoint_dir(self, context: Any) -> str:
-        """``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>[@map]`` (see :mod:`run_paths`)."""
+        """``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>[@map]`` (see :mod:`~airflow_provider_torchdist.outputs.paths`)."""
         return run_paths.default_checkpoint_dir(context["ti"])
 
     def output_base(self) -> str:

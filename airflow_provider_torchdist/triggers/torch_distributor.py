@@ -3,7 +3,7 @@
 A deferrable :class:`~airflow_provider_torchdist.operators.torch_distributor.TorchDistributorOperator`
 starts its run under a detached supervisor, hands the run's record to this trigger and frees its
 worker slot. The trigger becomes the run's owner over the lifeline
-(:mod:`~airflow_provider_torchdist.lifeline`, ``kind="trigger"``), waits for the run to end, leaves
+(:mod:`~airflow_provider_torchdist.supervision.lifeline`, ``kind="trigger"``), waits for the run to end, leaves
 it (``detach``: the supervisor keeps the result for the task) and fires one event; the task resumes
 in ``execute_complete`` and takes the log, metrics and result from the supervisor itself.
 
@@ -14,7 +14,7 @@ What the triggerer needs:
   A triggerer on another machine needs a route to that address;
 - **the deployment's signing key** (``[torchdist] output_signing_key``, the same on every worker
   and triggerer): the owner credential is derived from it and the run id
-  (:func:`~airflow_provider_torchdist.run_record.owner_secret`), so the trigger's kwargs hold no
+  (:func:`~airflow_provider_torchdist.supervision.record.owner_secret`), so the trigger's kwargs hold no
   secret. A triggerer with another key is refused by the supervisor (an ``error`` event).
 
 A lost lifeline (the supervisor's machine unreachable for a moment, a restarting triggerer) does
@@ -46,7 +46,8 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.lifeline import (
+from airflow_provider_torchdist.supervision.deadline import seconds_left
+from airflow_provider_torchdist.supervision.lifeline import (
     AppEvent,
     AsyncOwnerConnection,
     DoneEvent,
@@ -57,8 +58,7 @@ from airflow_provider_torchdist.lifeline import (
     RunGone,
     RunStatus,
 )
-from airflow_provider_torchdist.run_record import RunRecord, owner_secret
-from airflow_provider_torchdist.run_timeout import seconds_left
+from airflow_provider_torchdist.supervision.record import RunRecord, owner_secret
 
 CLASSPATH = "airflow_provider_torchdist.triggers.torch_distributor.TorchDistributorTrigger"
 #: The longest wait between two connection attempts.
@@ -80,7 +80,7 @@ class _Unreachable(Exception):
 class TorchDistributorTrigger(BaseTrigger):
     """Own a supervised training run from the triggerer until it ends (see the module docstring).
 
-    :param record: the run's :class:`~airflow_provider_torchdist.run_record.RunRecord` as a dict
+    :param record: the run's :class:`~airflow_provider_torchdist.supervision.record.RunRecord` as a dict
         (``RunRecord.to_dict()``): its id, its supervisor's address and its ``reattach_timeout``.
     :param poll_interval: seconds before the first reconnection attempt; each next wait doubles,
         up to 60 s.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from airflow_provider_torchdist.spark.metrics import RECORD_FIELDS
+from airflow_provider_torchdist.spark.node.metrics import RECORD_FIELDS
 
 #: Task instance states after which nothing more is reported: the view stops refreshing.
 FINISHED_STATES = ("success", "failed", "skipped", "upstream_failed", "removed")

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from airflow_provider_torchdist.run_record import RECORD_KEY
-from airflow_provider_torchdist.run_xcom import METRICS_XCOM_KEY
+from airflow_provider_torchdist.operators.xcom import METRICS_XCOM_KEY
+from airflow_provider_torchdist.supervision.record import RECORD_KEY
 from airflow_provider_torchdist.ui.figures import FINISHED_STATES
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ def lifeline_hosts() -> set[str]:
     deployment's supervisors listen, 127.0.0.1 by default) and ``[torchdist] view_lifeline_hosts``
     (comma-separated, for workers on other machines). A record naming any other host is not asked:
     whoever can write a task's state store must not make the API server connect where they like."""
-    from airflow_provider_torchdist.run_owner import lifeline_host
+    from airflow_provider_torchdist.supervision.task_side import lifeline_host
 
     try:
         from airflow.configuration import conf
@@ -153,7 +153,7 @@ def lifeline_hosts() -> set[str]:
 
 def _configured_key() -> bytes | None:
     """The deployment's signing key if this API server has one; never made here."""
-    from airflow_provider_torchdist.signing import signing_key
+    from airflow_provider_torchdist.outputs.signing import signing_key
 
     try:
         return signing_key(create=False)
@@ -168,8 +168,8 @@ def live_history(
     None when the record is not one of ours, names a host outside :func:`lifeline_hosts`, this
     server has no signing key, or no supervisor proves itself there within :data:`LIVE_TIMEOUT_S`.
     Answers are reused for :data:`LIVE_CACHE_S` (:data:`NOT_LIVE_CACHE_S` for none)."""
-    from airflow_provider_torchdist.lifeline import LifelineError, query_status
-    from airflow_provider_torchdist.run_record import RunRecord, owner_secret
+    from airflow_provider_torchdist.supervision.lifeline import LifelineError, query_status
+    from airflow_provider_torchdist.supervision.record import RunRecord, owner_secret
 
     try:
         record = RunRecord.from_dict(stored_record)

@@ -30,7 +30,7 @@ import torch  # noqa: E402  (imported up front: the round trip, not torch's impo
 from output_fn import big_state_dict  # noqa: E402
 
 from airflow_provider_torchdist import TorchDistributorHook  # noqa: E402
-from airflow_provider_torchdist.results import (  # noqa: E402
+from airflow_provider_torchdist.outputs.results import (  # noqa: E402
     DEFAULT_MAX_XCOM_OUTPUT_BYTES,
     load_output,
     output_to_xcom,

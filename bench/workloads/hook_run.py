@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ddp_trivial import train  # noqa: E402
 
 from airflow_provider_torchdist import TorchDistributorHook  # noqa: E402
-from airflow_provider_torchdist.spark.output_store import read_output  # noqa: E402
+from airflow_provider_torchdist.spark.wire.output_store import read_output  # noqa: E402
 
 T_IMPORTED = time.time()
 

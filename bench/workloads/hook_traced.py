@@ -4,7 +4,7 @@
 
 Nothing in the package is patched or replaced. The run is observed two ways:
 
-- the package's own phase events (:mod:`airflow_provider_torchdist.spark.events`): this process sets
+- the package's own phase events (:mod:`airflow_provider_torchdist.spark.wire.events`): this process sets
   ``TORCHDIST_EVENT_LOG=FILE`` before the hook runs, and every process of the run (the hook here,
   spark-submit's Python driver, the barrier tasks in Spark's Python workers, the torchrun agents,
   the ranks) inherits it and appends its events to FILE;
@@ -34,7 +34,7 @@ import psutil  # noqa: E402
 from ddp_trivial import train  # noqa: E402
 
 from airflow_provider_torchdist import TorchDistributorHook  # noqa: E402
-from airflow_provider_torchdist.spark.events import EVENT_LOG_ENV, read_events  # noqa: E402
+from airflow_provider_torchdist.spark.wire.events import EVENT_LOG_ENV, read_events  # noqa: E402
 
 T_IMPORTED = time.time()
 

@@ -18,10 +18,10 @@ from pathlib import Path
 T_START = time.time()
 
 import airflow_provider_torchdist.hooks.torch_distributor  # noqa: E402, F401 (what a retry imports)
-from airflow_provider_torchdist.lifeline import DoneEvent, LineEvent  # noqa: E402
-from airflow_provider_torchdist.run_owner import connect_owner  # noqa: E402
-from airflow_provider_torchdist.run_record import RunRecord  # noqa: E402
-from airflow_provider_torchdist.spark.output_store import read_output  # noqa: E402
+from airflow_provider_torchdist.spark.wire.output_store import read_output  # noqa: E402
+from airflow_provider_torchdist.supervision.lifeline import DoneEvent, LineEvent  # noqa: E402
+from airflow_provider_torchdist.supervision.record import RunRecord  # noqa: E402
+from airflow_provider_torchdist.supervision.task_side import connect_owner  # noqa: E402
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_torchdist.processes import command_line, is_alive
+from airflow_provider_torchdist.supervision.processes import command_line, is_alive
 from tests.cluster.daemons import (
     cluster_processes,
     fetch_master_json,

@@ -1,6 +1,6 @@
 """The Spark standalone daemons: start the Master and the Workers, watch them come up, end them.
 
-Every daemon is started by :func:`~airflow_provider_torchdist.processes.start_detached`, in a session
+Every daemon is started by :func:`~airflow_provider_torchdist.supervision.processes.start_detached`, in a session
 of its own whose id is its PID, so the daemon, its executors, the PySpark daemon and anything they
 spawn are found (and ended) by that PID alone, even after the process that started them is gone.
 """
@@ -17,14 +17,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_torchdist.processes import (
+from airflow_provider_torchdist.spark.node.network import free_port
+from airflow_provider_torchdist.supervision.processes import (
     command_line,
     end_processes,
     is_alive,
     session_members,
     start_detached,
 )
-from airflow_provider_torchdist.spark.network import free_port
 from tests.cluster.netns import netns_pids
 from tests.cluster.state import ClusterError, ClusterInfo, WorkerInfo
 

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import time
 
-from airflow_provider_torchdist.processes import end_processes
+from airflow_provider_torchdist.supervision.processes import end_processes
 from tests.cluster.state import ClusterError, ClusterInfo
 
 

@@ -3,7 +3,7 @@
 
 ``start_connect_server`` returns once the server's gRPC port accepts a TCP connection;
 ``ConnectServer.stop`` ends the server's whole session (the JVM, Spark's Python daemon and its
-workers) with :func:`airflow_provider_torchdist.processes.end_session` and fails if any of it is
+workers) with :func:`airflow_provider_torchdist.supervision.processes.end_session` and fails if any of it is
 left. The ``connect_server`` fixture (registered in ``conftest.py``, so one server for the whole
 test session) serves every test that asks for it::
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_torchdist.processes import end_session, session_members, start_detached
+from airflow_provider_torchdist.supervision.processes import end_session, session_members, start_detached
 from tests.integration.deployment import free_port
 
 HOST = "127.0.0.1"

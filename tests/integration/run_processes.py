@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-SUPERVISOR_MODULE = "airflow_provider_torchdist.supervisor"
+SUPERVISOR_MODULE = "airflow_provider_torchdist.supervision.supervisor"
 OWNER_VARIABLE = "TORCHDIST_TEST_OWNER"
 
 

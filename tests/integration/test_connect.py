@@ -202,7 +202,7 @@ def test_a_kill_mid_training_interrupts_the_job_and_leaves_nothing_on_the_execut
 
 def test_the_operators_supervised_path_runs_over_connect(connect_conn: str) -> None:
     """``start_run`` hands the plan to a detached supervisor, which runs the Connect driver."""
-    from airflow_provider_torchdist.spark.output_store import read_output
+    from airflow_provider_torchdist.spark.wire.output_store import read_output
 
     hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
     record = hook.start_run(train_and_report, [3.0], {}, durable=False)
@@ -267,7 +267,7 @@ def test_a_shared_session_the_server_closed_is_replaced(
     from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
     from pyspark.sql import SparkSession
 
-    from airflow_provider_torchdist.spark.connect_driver import session_cache, shared_session_id, with_session
+    from airflow_provider_torchdist.spark.connect.driver import session_cache, shared_session_id, with_session
 
     TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(workers_and_leak)
     url = SparkConnectHook(connect_conn).get_connection_url()  # the driver's URL, so its session's key

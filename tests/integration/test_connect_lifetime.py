@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from airflow_provider_torchdist.run_record import RunRecord
+from airflow_provider_torchdist.supervision.record import RunRecord
 from tests.integration.connect_server import ConnectServer
 from tests.integration.deployment import Deployment, quote, wait_for
 from tests.integration.run_processes import supervisors

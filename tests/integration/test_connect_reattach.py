@@ -21,10 +21,10 @@ import psutil
 import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
-from airflow_provider_torchdist.lifeline import query_status
-from airflow_provider_torchdist.run_owner import GONE, run_state
-from airflow_provider_torchdist.run_record import owner_secret
-from airflow_provider_torchdist.spark.protocol import split_operation
+from airflow_provider_torchdist.spark.wire.protocol import split_operation
+from airflow_provider_torchdist.supervision.lifeline import query_status
+from airflow_provider_torchdist.supervision.record import owner_secret
+from airflow_provider_torchdist.supervision.task_side import GONE, run_state
 from tests.integration.connect_server import ConnectServer
 from tests.integration.test_connect import wait_gone
 
@@ -159,7 +159,7 @@ def test_a_lost_supervisors_connect_job_is_interrupted_from_the_runs_record(
     (supervisor,) = [
         p
         for p in psutil.Process().children()
-        if "airflow_provider_torchdist.supervisor" in " ".join(p.cmdline())
+        if "airflow_provider_torchdist.supervision.supervisor" in " ".join(p.cmdline())
     ]
     staging = Path(supervisor.cmdline()[-1])
     driver = None
@@ -173,7 +173,7 @@ def test_a_lost_supervisors_connect_job_is_interrupted_from_the_runs_record(
         ) is None:
             assert time.monotonic() < deadline, "the supervisor never learnt the run's operation"
             time.sleep(0.2)
-        (driver,) = [p for p in supervisor.children() if "connect_driver" in " ".join(p.cmdline())]
+        (driver,) = [p for p in supervisor.children() if "spark.connect.driver" in " ".join(p.cmdline())]
         driver.suspend()  # frozen: its run channel stays open, so the nodes go on training
         supervisor.kill()
         supervisor.wait(10)

@@ -12,7 +12,7 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook, load_latest_checkpoint, save_checkpoint
 from airflow_provider_torchdist.errors import TrainingFailed
-from airflow_provider_torchdist.processes import is_alive
+from airflow_provider_torchdist.supervision.processes import is_alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_leftovers")]
 

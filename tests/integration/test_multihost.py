@@ -86,7 +86,7 @@ def where_ranks_ran() -> list[dict]:
 
     import torch.distributed as dist
 
-    from airflow_provider_torchdist.spark.network import interface_address
+    from airflow_provider_torchdist.spark.node.network import interface_address
 
     dist.init_process_group("gloo")
     ifname = os.environ["GLOO_SOCKET_IFNAME"]
@@ -210,7 +210,7 @@ def count_my_rows() -> list[dict]:
     import torch.distributed as dist
 
     from airflow_provider_torchdist import rank_batches
-    from airflow_provider_torchdist.spark.network import interface_address
+    from airflow_provider_torchdist.spark.node.network import interface_address
 
     dist.init_process_group("gloo")
     ids = np.concatenate([b["id"].numpy() for b in rank_batches(1 << 20, columns=["id"])])

@@ -1,4 +1,5 @@
-"""The README's quick-start REST commands, run as written against a fresh deployment.
+"""The documented quick-start REST commands (docs/getting-started.md, "A whole deployment with one
+command"), run as written against a fresh deployment.
 
 A new ``scripts/airflow-standalone`` with a login (not the shared, login-free one): the README's
 ``<!-- readme-test: NAME -->`` blocks run in bash with only the port and the printed password put in
@@ -30,14 +31,15 @@ from tests.integration.deployment import (
 
 pytestmark = pytest.mark.integration
 
-README = ROOT / "README.md"
+#: Where the quick start's REST commands live now (the README links to it).
+README = ROOT / "docs" / "getting-started.md"
 DAG_ID = "ui_triggered_training"
 
 
 def readme_block(name: str) -> str:
     """The ```bash block right after ``<!-- readme-test: NAME -->``."""
     match = re.search(rf"<!-- readme-test: {name} -->\n```bash\n(.*?)```", README.read_text(), re.S)
-    assert match, f"README.md has no bash block marked <!-- readme-test: {name} -->"
+    assert match, f"{README.name} has no bash block marked <!-- readme-test: {name} -->"
     return match.group(1)
 
 

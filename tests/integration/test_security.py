@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
-from airflow_provider_torchdist.processes import session_members
-from airflow_provider_torchdist.properties import read_properties
-from airflow_provider_torchdist.submit_plan import SPARK_PROPERTIES_FILE
+from airflow_provider_torchdist.submit.plan import SPARK_PROPERTIES_FILE
+from airflow_provider_torchdist.submit.properties import read_properties
+from airflow_provider_torchdist.supervision.processes import session_members
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_leftovers")]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_torchdist.processes import is_alive
+from airflow_provider_torchdist.supervision.processes import is_alive
 from tests.cluster import (
     check_netns_connectivity,
     cluster_processes,

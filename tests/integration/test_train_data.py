@@ -22,9 +22,9 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import TrainingFailed
-from airflow_provider_torchdist.processes import is_alive
-from airflow_provider_torchdist.spark.data_shards import ROUTE_CONF
-from airflow_provider_torchdist.spark.shard_files import new_node_directory, remove_directory
+from airflow_provider_torchdist.spark.data.data_shards import ROUTE_CONF
+from airflow_provider_torchdist.spark.data.shard_files import new_node_directory, remove_directory
+from airflow_provider_torchdist.supervision.processes import is_alive
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import SparkSubmitFailed, TrainingFailed
-from airflow_provider_torchdist.processes import command_line, is_alive
+from airflow_provider_torchdist.supervision.processes import command_line, is_alive
 from tests.cluster import (
     ClusterInfo,
     WorkerInfo,

@@ -54,7 +54,7 @@ def publish_value(value: object, output_dir: Path, generation: str = "0.0") -> P
 
     import cloudpickle
 
-    from airflow_provider_torchdist.spark.output_store import (
+    from airflow_provider_torchdist.spark.wire.output_store import (
         FORMAT_JSON,
         FORMAT_PICKLE,
         encode_json,
@@ -85,7 +85,7 @@ class FakeSpark:
 
     It replaces ``SparkSubmitHook.submit``, the Spark provider's public method that
     ``Submission.run`` calls: everything before it runs for real (the checks, the staging, the
-    :class:`~airflow_provider_torchdist.submit_plan.SubmitPlan`, its properties file, the provider's
+    :class:`~airflow_provider_torchdist.submit.plan.SubmitPlan`, its properties file, the provider's
     hook built from it). Then it does what the driver would: reads the job spec, calls the payload,
     publishes rank 0's value, writes the outcome; or fails like spark-submit (``raises``).
 
@@ -97,7 +97,7 @@ class FakeSpark:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 
-        from airflow_provider_torchdist.spark.outcome import Outcome
+        from airflow_provider_torchdist.spark.wire.outcome import Outcome
 
         #: What the driver reports; None: it never gets as far as writing an outcome.
         self.outcome: Outcome | None = Outcome(ok=True)
@@ -128,9 +128,9 @@ class FakeSpark:
         import cloudpickle
         from airflow.providers.common.compat.sdk import AirflowException
 
-        from airflow_provider_torchdist.properties import read_properties
-        from airflow_provider_torchdist.spark.jobspec import SPEC_FILE, JobSpec
-        from airflow_provider_torchdist.submit_plan import SPARK_PROPERTIES_FILE
+        from airflow_provider_torchdist.spark.wire.jobspec import SPEC_FILE, JobSpec
+        from airflow_provider_torchdist.submit.plan import SPARK_PROPERTIES_FILE
+        from airflow_provider_torchdist.submit.properties import read_properties
 
         self.calls += 1
         self.spark_hook, self.application, self.kwargs = spark_hook, application, dict(kwargs)
@@ -162,7 +162,7 @@ def no_submit(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     applications that did (none, when the run was refused in time)."""
     from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 
-    from airflow_provider_torchdist.submit_plan import Submission
+    from airflow_provider_torchdist.submit.plan import Submission
 
     started: list[str] = []
 
@@ -185,7 +185,7 @@ def no_submit(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def planned_properties(hook, environ: dict[str, str] | None = None) -> dict[str, str]:
     """The Spark settings a run of ``hook`` would write (``submit_plan.spark_properties``); no
     ``spark-defaults.conf`` unless ``environ`` names one."""
-    from airflow_provider_torchdist.submit_plan import spark_properties
+    from airflow_provider_torchdist.submit.plan import spark_properties
 
     return spark_properties(hook.spec, hook.target, None, environ or {})
 
@@ -202,7 +202,7 @@ def plan_without_a_run(
 ):
     """A :class:`SubmitPlan` for ``hook``'s spec and target made of the public planning functions,
     with made-up staged files: for targets a test cannot run against (an unreachable cluster)."""
-    from airflow_provider_torchdist.submit_plan import build_plan, submit_environment
+    from airflow_provider_torchdist.submit.plan import build_plan, submit_environment
 
     props = planned_properties(hook, environ)
     return build_plan(
@@ -239,8 +239,12 @@ def inline_supervisor(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     ``FakeSpark`` (which replaces ``SparkSubmitHook.submit`` here) plays its spark-submit. Everything
     else is real: the supervisor's config and plan files, its lifeline, the owner's handshake,
     fetch and release. Returns the supervisors started."""
-    from airflow_provider_torchdist import run_owner
-    from airflow_provider_torchdist.supervisor import RunSupervisor, SupervisorConfig, read_plan_text
+    from airflow_provider_torchdist.supervision import task_side as run_owner
+    from airflow_provider_torchdist.supervision.supervisor import (
+        RunSupervisor,
+        SupervisorConfig,
+        read_plan_text,
+    )
 
     started: list[object] = []
 
@@ -280,7 +284,7 @@ def faked_spark(monkeypatch, fake_spark, inline_supervisor):
     makes (``make_hook``, its public seam) under ``"hooks"``."""
     from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
     from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
-    from airflow_provider_torchdist.spark.outcome import Outcome
+    from airflow_provider_torchdist.spark.wire.outcome import Outcome
 
     fake_spark.outcome = Outcome(ok=True, metrics=[{"rank": 0, "step": 0, "loss": 1.0}])
     hooks: list[TorchDistributorHook] = []

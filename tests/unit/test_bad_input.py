@@ -28,7 +28,7 @@ from airflow_provider_torchdist.errors import (
 )
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
-from airflow_provider_torchdist.results import OutputSignatureError, load_output
+from airflow_provider_torchdist.outputs.results import OutputSignatureError, load_output
 
 
 def _train(x: int = 1) -> int:
@@ -589,7 +589,7 @@ def test_too_many_processes_for_the_cluster(staging: Path, no_submit: list[str])
 def test_an_elastic_run_needs_only_its_min_nodes_slots() -> None:
     """An elastic run starts once MIN's nodes have joined: only a cluster that can never fit MIN
     fails fast, and the message says it is MIN that does not fit."""
-    from airflow_provider_torchdist.preflight import check_cluster_capacity
+    from airflow_provider_torchdist.submit.preflight import check_cluster_capacity
 
     log = logging.getLogger("test")
     fits = TorchDistributorHook(num_processes="2:8")  # 8 > the cluster's 4 slots, 2 fit
@@ -663,7 +663,7 @@ def test_output_path_that_cannot_be_written(tmp_path: Path, no_submit: list[str]
 
 @pytest.mark.parametrize("as_uri", [False, True], ids=["path", "file-uri"])
 def test_local_directories_are_created_private_and_test_written(tmp_path: Path, as_uri: bool) -> None:
-    from airflow_provider_torchdist.preflight import check_checkpoint_dir, check_output_path
+    from airflow_provider_torchdist.submit.preflight import check_checkpoint_dir, check_output_path
 
     for check, name in ((check_checkpoint_dir, "ckpt"), (check_output_path, "out")):
         target = tmp_path / name / "dag" / "run"
@@ -679,7 +679,7 @@ def test_local_directories_are_created_private_and_test_written(tmp_path: Path, 
 def test_a_file_uri_checkpoint_dir_is_the_local_path_for_the_ranks(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from airflow_provider_torchdist.spark.checkpoints import CHECKPOINT_ENV, checkpoint_dir
+    from airflow_provider_torchdist.spark.node.checkpoints import CHECKPOINT_ENV, checkpoint_dir
 
     monkeypatch.setenv(CHECKPOINT_ENV, f"file://{tmp_path}/ckpt")
     assert checkpoint_dir() == tmp_path / "ckpt"  # what preflight checked, not a relative "file:/..."
@@ -757,7 +757,7 @@ def test_every_error_here_is_one_of_the_providers() -> None:
 
 
 def test_master_check_accepts_any_reachable_master_of_a_standalone_ha_list() -> None:
-    from airflow_provider_torchdist.preflight import check_master_reachable
+    from airflow_provider_torchdist.submit.preflight import check_master_reachable
 
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))

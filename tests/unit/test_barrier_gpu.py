@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_provider_torchdist.spark.barrier import gpu_environment, visible_devices
-from airflow_provider_torchdist.spark.jobspec import JobSpec
+from airflow_provider_torchdist.spark.node.barrier import gpu_environment, visible_devices
+from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 
 
 def _spec(use_gpu: bool = True, nproc_per_node: int = 1) -> JobSpec:
@@ -76,7 +76,7 @@ def test_preset_that_hides_the_assignment_is_a_clear_error(no_preset):
 
 
 def test_rank_zero_writes_in_place_only_where_the_drivers_output_dir_is_reachable(tmp_path) -> None:
-    from airflow_provider_torchdist.spark.barrier import shared_output_dir
+    from airflow_provider_torchdist.spark.node.barrier import shared_output_dir
 
     private = tmp_path / "torchdist-abc123"
     private.mkdir(mode=0o700)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from airflow_provider_torchdist.callbacks.scalars import known_total, scalar_metrics
-from airflow_provider_torchdist.spark import rank_context
-from airflow_provider_torchdist.spark.protocol import Metric
+from airflow_provider_torchdist.spark.node import rank_context
+from airflow_provider_torchdist.spark.wire.protocol import Metric
 
 
 class FakeClient:

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from airflow_provider_torchdist.spark.channel import ChannelClient, ChannelRefused, RunChannel
-from airflow_provider_torchdist.spark.channel_auth import HelloRefused, peer_matches
-from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE
-from airflow_provider_torchdist.spark.outcome import RankFailure
-from airflow_provider_torchdist.spark.protocol import Metric, NodeStarted
+from airflow_provider_torchdist.spark.driver.channel import ChannelClient, ChannelRefused, RunChannel
+from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused, peer_matches
+from airflow_provider_torchdist.spark.wire.jobspec import OUTPUT_FILE
+from airflow_provider_torchdist.spark.wire.outcome import RankFailure
+from airflow_provider_torchdist.spark.wire.protocol import Metric, NodeStarted
 from tests.unit.conftest import fast_shutdown, wait_until
 
 TOKEN = "the-run-secret"
@@ -269,7 +269,7 @@ def test_a_trickling_hello_is_dropped_at_the_deadline(tmp_path):
 
 
 def test_unauthenticated_connections_are_capped(tmp_path):
-    from airflow_provider_torchdist.spark.channel_auth import MAX_UNAUTHENTICATED
+    from airflow_provider_torchdist.spark.wire.channel_auth import MAX_UNAUTHENTICATED
 
     channel = make_channel(tmp_path, io.StringIO())
     with channel:

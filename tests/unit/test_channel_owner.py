@@ -11,9 +11,8 @@ import threading
 
 import pytest
 
-from airflow_provider_torchdist.spark.channel import ChannelClient, ChannelRefused, RunChannel
-from airflow_provider_torchdist.spark.jobspec import CHANNEL_FILE, OWNER_TOKEN_FILE
-from airflow_provider_torchdist.spark.owner import (
+from airflow_provider_torchdist.spark.driver.channel import ChannelClient, ChannelRefused, RunChannel
+from airflow_provider_torchdist.spark.driver.owner import (
     REPLAY_LINES,
     OwnerClient,
     read_channel_address,
@@ -21,7 +20,8 @@ from airflow_provider_torchdist.spark.owner import (
     write_channel_address,
     write_owner_token,
 )
-from airflow_provider_torchdist.spark.protocol import Application, LogLine, Metric
+from airflow_provider_torchdist.spark.wire.jobspec import CHANNEL_FILE, OWNER_TOKEN_FILE
+from airflow_provider_torchdist.spark.wire.protocol import Application, LogLine, Metric
 from tests.unit.conftest import fast_shutdown, wait_until
 
 TOKEN = "the-run-secret"
@@ -247,8 +247,9 @@ def test_the_token_and_address_files(tmp_path):
 
 def test_the_driver_publishes_its_channel_for_the_owner(tmp_path, monkeypatch):
     """Local mode end to end, torch not run: the hook's token file in, ``channel.json`` out."""
-    from airflow_provider_torchdist.spark import driver, launcher
-    from airflow_provider_torchdist.spark.jobspec import JobSpec
+    from airflow_provider_torchdist.spark import app as driver
+    from airflow_provider_torchdist.spark.node import launcher
+    from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 
     token = write_owner_token(tmp_path)
     seen: list[object] = []

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from airflow_provider_torchdist.spark.channel import ChannelClient, RunChannel
-from airflow_provider_torchdist.spark.channel_auth import HelloRefused, peer_matches
-from airflow_provider_torchdist.spark.outcome import RankFailure
-from airflow_provider_torchdist.spark.protocol import NodeStarted
+from airflow_provider_torchdist.spark.driver.channel import ChannelClient, RunChannel
+from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused, peer_matches
+from airflow_provider_torchdist.spark.wire.outcome import RankFailure
+from airflow_provider_torchdist.spark.wire.protocol import NodeStarted
 from tests.unit.conftest import fast_shutdown
 
 TOKEN = "the-run-secret"

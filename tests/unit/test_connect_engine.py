@@ -11,10 +11,8 @@ import uuid
 import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
-from airflow_provider_torchdist.connect_engine import ConnectSubmission, check_connect_run, submission_for
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed
-from airflow_provider_torchdist.spark.channel_auth import HelloRefused
-from airflow_provider_torchdist.spark.connect_driver import (
+from airflow_provider_torchdist.spark.connect.driver import (
     ConnectVerifier,
     SlotWatch,
     channel_host,
@@ -25,7 +23,9 @@ from airflow_provider_torchdist.spark.connect_driver import (
     shared_session_id,
     with_session,
 )
-from airflow_provider_torchdist.submit_plan import Submission
+from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused
+from airflow_provider_torchdist.submit.connect import ConnectSubmission, check_connect_run, submission_for
+from airflow_provider_torchdist.submit.plan import Submission
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_the_plan_of_a_connect_target_runs_the_connect_driver_not_spark_submit(
 
 
 def _plan(hook: TorchDistributorHook):
-    from airflow_provider_torchdist.run_prepare import check_and_stage, plan_staged
+    from airflow_provider_torchdist.submit.prepare import check_and_stage, plan_staged
 
     staged, props, env = check_and_stage(hook.spec, hook.target, hook.log, lambda: 1, [], {})
     try:
@@ -168,8 +168,8 @@ def test_the_channel_binds_on_the_route_to_the_server_and_the_job_has_the_runs_t
 
 
 def test_a_driver_without_a_url_writes_a_failed_outcome(tmp_path) -> None:
-    from airflow_provider_torchdist.spark.jobspec import JobSpec
-    from airflow_provider_torchdist.spark.outcome import Outcome
+    from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
+    from airflow_provider_torchdist.spark.wire.outcome import Outcome
 
     spec = JobSpec(kind="callable", entry="payload.pkl", num_processes=2, run_id="r", token="t" * 32)
     path = spec.write(tmp_path)
@@ -268,7 +268,7 @@ SESSION, OPERATION = "0b8f1c57-6f0e-4a43-9d3e-2a4c1f6b9d10", "5f2d7a61-1c4b-4e8e
 
 def test_a_lost_runs_job_is_interrupted_in_its_recorded_session(monkeypatch, listening) -> None:
     from airflow_provider_torchdist.hooks import torch_distributor as hook_module
-    from airflow_provider_torchdist.run_record import RunRecord
+    from airflow_provider_torchdist.supervision.record import RunRecord
 
     calls: list[tuple[str, str, str]] = []
     monkeypatch.setattr(hook_module, "interrupt_lost_run", lambda *args: calls.append(args) or [OPERATION])
@@ -320,7 +320,7 @@ class FakeConnect:
 def test_interrupting_a_lost_run_uses_its_tag_in_its_session_and_keeps_the_session(monkeypatch) -> None:
     import os
 
-    from airflow_provider_torchdist.connect_engine import interrupt_lost_run
+    from airflow_provider_torchdist.submit.connect import interrupt_lost_run
 
     monkeypatch.delenv("SPARK_CONNECT_MODE_ENABLED", raising=False)
     fake = FakeConnect()
@@ -332,7 +332,7 @@ def test_interrupting_a_lost_run_uses_its_tag_in_its_session_and_keeps_the_sessi
 
 
 def test_a_closed_session_has_nothing_to_interrupt_and_other_errors_are_raised() -> None:
-    from airflow_provider_torchdist.connect_engine import interrupt_lost_run
+    from airflow_provider_torchdist.submit.connect import interrupt_lost_run
 
     def closed(tag):
         raise RuntimeError("[INVALID_HANDLE.SESSION_CLOSED] the session was closed")
@@ -349,7 +349,7 @@ def test_a_closed_session_has_nothing_to_interrupt_and_other_errors_are_raised()
 def test_a_server_that_does_not_answer_fails_the_interrupt_in_bounded_time() -> None:
     import threading
 
-    from airflow_provider_torchdist.connect_engine import interrupt_lost_run
+    from airflow_provider_torchdist.submit.connect import interrupt_lost_run
 
     never = threading.Event()
     try:
@@ -362,7 +362,7 @@ def test_a_server_that_does_not_answer_fails_the_interrupt_in_bounded_time() -> 
 
 
 def test_the_planned_session_is_the_urls_own_or_the_shared_one(monkeypatch, tmp_path) -> None:
-    from airflow_provider_torchdist.spark.connect_driver import planned_session_id, session_cache
+    from airflow_provider_torchdist.spark.connect.driver import planned_session_id, session_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     url = "sc://h:15002/;token=t"
@@ -372,7 +372,7 @@ def test_the_planned_session_is_the_urls_own_or_the_shared_one(monkeypatch, tmp_
 
 
 def test_the_operation_is_announced_once_with_the_application(tmp_path) -> None:
-    from airflow_provider_torchdist.spark.connect_driver import OperationAnnouncer
+    from airflow_provider_torchdist.spark.connect.driver import OperationAnnouncer
 
     said: list[tuple] = []
     channel = type("Channel", (), {"application": lambda self, *args: said.append(args)})()
@@ -391,7 +391,7 @@ def test_the_operation_is_announced_once_with_the_application(tmp_path) -> None:
 
 
 def test_a_payload_over_the_servers_message_limit_is_refused_before_the_job_goes() -> None:
-    from airflow_provider_torchdist.spark.connect_driver import check_payload_size
+    from airflow_provider_torchdist.spark.connect.driver import check_payload_size
 
     conf = type("Conf", (), {"get": lambda self, key, default=None: str(8 * 2**20)})()
     spark = type("Spark", (), {"conf": conf})()
@@ -405,8 +405,8 @@ def test_a_payload_over_the_servers_message_limit_is_refused_before_the_job_goes
 def test_the_users_py_files_go_to_the_connect_driver_but_not_the_providers_own_zip(
     monkeypatch, listening, tmp_path
 ) -> None:
-    from airflow_provider_torchdist import connect_engine
-    from airflow_provider_torchdist.staging import SPARK_ZIP
+    from airflow_provider_torchdist.submit import connect as connect_engine
+    from airflow_provider_torchdist.submit.staging import SPARK_ZIP
 
     helper = tmp_path / "helper.py"
     helper.write_text("X = 1\n")

@@ -6,9 +6,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from airflow_provider_torchdist.spark.rank_data import shard_file
-from airflow_provider_torchdist.spark.shard_files import BlobPacker, ShardWriter
-from airflow_provider_torchdist.spark.shard_plan import ShardPlan, TrainDataError, is_table_name
+from airflow_provider_torchdist.spark.data.rank_data import shard_file
+from airflow_provider_torchdist.spark.data.shard_files import BlobPacker, ShardWriter
+from airflow_provider_torchdist.spark.data.shard_plan import ShardPlan, TrainDataError, is_table_name
 
 
 def _ranks(plan: ShardPlan) -> np.ndarray:

@@ -15,12 +15,16 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from airflow_provider_torchdist.spark.channel import ChannelClient, RunChannel
-from airflow_provider_torchdist.spark.elastic import RESTART_KEY, RendezvousStore
-from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE, JobSpec
-from airflow_provider_torchdist.spark.launcher import KEEP_ALIVE_MAX_ATTEMPTS, launch_config, rank_environment
-from airflow_provider_torchdist.spark.protocol import ProtocolError, WorldSize, decode, encode
-from airflow_provider_torchdist.spark.world_sizes import WorldSizeHistory
+from airflow_provider_torchdist.spark.driver.channel import ChannelClient, RunChannel
+from airflow_provider_torchdist.spark.elastic.task import RESTART_KEY, RendezvousStore
+from airflow_provider_torchdist.spark.elastic.world_sizes import WorldSizeHistory
+from airflow_provider_torchdist.spark.node.launcher import (
+    KEEP_ALIVE_MAX_ATTEMPTS,
+    launch_config,
+    rank_environment,
+)
+from airflow_provider_torchdist.spark.wire.jobspec import OUTPUT_FILE, JobSpec
+from airflow_provider_torchdist.spark.wire.protocol import ProtocolError, WorldSize, decode, encode
 from tests.unit.conftest import fast_shutdown, wait_until
 
 TOKEN = "the-run-secret"
@@ -188,7 +192,7 @@ def test_elastic_ranks_get_a_fresh_process_group_store_each_generation(monkeypat
 AGENT = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from airflow_provider_torchdist.spark.elastic import RestartWatch
+    from airflow_provider_torchdist.spark.elastic.task import RestartWatch
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     with RestartWatch(("127.0.0.1", int(sys.argv[1])), 30, "the-run-secret") as watch:
         print(worker.pid, flush=True)
@@ -281,7 +285,7 @@ def test_a_planted_rendezvous_state_is_refused_before_torch_unpickles_it(tmp_pat
     from torch.distributed.elastic.rendezvous import RendezvousStateError
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
-    from airflow_provider_torchdist.spark.signed_rendezvous import SignedBackend, run_key
+    from airflow_provider_torchdist.spark.node.signed_rendezvous import SignedBackend, run_key
 
     marker = tmp_path / "unpickled"
 
@@ -310,7 +314,7 @@ def test_a_planted_rendezvous_state_is_refused_before_torch_unpickles_it(tmp_pat
 
 
 def test_a_world_size_outside_the_range_is_refused() -> None:
-    from airflow_provider_torchdist.spark.elastic_run import ElasticMonitor
+    from airflow_provider_torchdist.spark.elastic.run import ElasticMonitor
 
     monitor = ElasticMonitor(
         _spec(num_processes="2:4", nproc_per_node=2), None, lambda: None, say=lambda _: None
@@ -324,7 +328,7 @@ def test_a_world_size_outside_the_range_is_refused() -> None:
 
 
 def test_when_no_group_forms_again_after_a_loss_the_run_is_cancelled(monkeypatch) -> None:
-    from airflow_provider_torchdist.spark.elastic_run import ElasticMonitor
+    from airflow_provider_torchdist.spark.elastic.run import ElasticMonitor
 
     class Store:
         requests: list[float] = []

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import airflow_provider_torchdist
-from airflow_provider_torchdist.spark.events import (
+from airflow_provider_torchdist.spark.wire.events import (
     EVENT_LOG_ENV,
     FAST_START_OFF_ENV,
     PHASES,
@@ -31,7 +31,7 @@ def run_python(code: str, env: dict[str, str], cwd: Path) -> subprocess.Popen[by
 def test_emit_appends_one_line_per_event(tmp_path):
     log = tmp_path / "events.jsonl"
     code = (
-        "from airflow_provider_torchdist.spark.events import emit\n"
+        "from airflow_provider_torchdist.spark.wire.events import emit\n"
         "emit('driver_start')\n"
         "emit('agent_start', node=1)\n"
     )
@@ -44,13 +44,13 @@ def test_emit_appends_one_line_per_event(tmp_path):
 
 
 def test_emit_does_nothing_when_unset(tmp_path):
-    code = "from airflow_provider_torchdist.spark.events import emit\nemit('driver_start')\n"
+    code = "from airflow_provider_torchdist.spark.wire.events import emit\nemit('driver_start')\n"
     assert run_python(code, {}, tmp_path).wait() == 0
     assert list(tmp_path.iterdir()) == []
 
 
 def test_emit_never_fails_the_run(tmp_path):
-    code = "from airflow_provider_torchdist.spark.events import emit\nemit('driver_start', x=object())\n"
+    code = "from airflow_provider_torchdist.spark.wire.events import emit\nemit('driver_start', x=object())\n"
     unwritable = tmp_path / "missing-dir" / "events.jsonl"
     assert run_python(code, {EVENT_LOG_ENV: str(unwritable)}, tmp_path).wait() == 0
 
@@ -59,7 +59,7 @@ def test_concurrent_writers_produce_whole_lines(tmp_path):
     log = tmp_path / "events.jsonl"
     writers, each = 6, 200
     code = (
-        "from airflow_provider_torchdist.spark.events import emit\n"
+        "from airflow_provider_torchdist.spark.wire.events import emit\n"
         f"for i in range({each}):\n"
         "    emit('rank_start', rank=i, pad='x' * 2000)\n"
     )

@@ -5,8 +5,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from airflow_provider_torchdist.errors import TrainingFailed
-from airflow_provider_torchdist.spark.executor_loss import ExecutorWatch, lost_executor_message, wait_for_loss
-from airflow_provider_torchdist.spark.outcome import RankFailure
+from airflow_provider_torchdist.spark.driver.executor_loss import (
+    ExecutorWatch,
+    lost_executor_message,
+    wait_for_loss,
+)
+from airflow_provider_torchdist.spark.wire.outcome import RankFailure
 from tests.unit.conftest import wait_until
 
 

@@ -17,15 +17,15 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from airflow_provider_torchdist import signing
-from airflow_provider_torchdist.results import (
+from airflow_provider_torchdist.outputs import signing
+from airflow_provider_torchdist.outputs.results import (
     ENVELOPE_KEY,
     OutputSignatureError,
     _signed_fields,
     load_output,
     output_origin,
 )
-from airflow_provider_torchdist.signing import SigningKeyError, sign
+from airflow_provider_torchdist.outputs.signing import SigningKeyError, sign
 from tests.unit.test_results import ORIGIN, to_xcom
 
 

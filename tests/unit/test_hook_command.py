@@ -14,11 +14,11 @@ import pytest
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
-from airflow_provider_torchdist.preflight import check_gpu_conf
-from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE
-from airflow_provider_torchdist.spark.outcome import Outcome, RankFailure
-from airflow_provider_torchdist.spark.output_store import OutputManifest, read_output
-from airflow_provider_torchdist.submit_plan import SPARK_PROPERTIES_FILE, submit_environment
+from airflow_provider_torchdist.spark.wire.jobspec import OUTPUT_FILE
+from airflow_provider_torchdist.spark.wire.outcome import Outcome, RankFailure
+from airflow_provider_torchdist.spark.wire.output_store import OutputManifest, read_output
+from airflow_provider_torchdist.submit.plan import SPARK_PROPERTIES_FILE, submit_environment
+from airflow_provider_torchdist.submit.preflight import check_gpu_conf
 from tests.unit.conftest import plan_without_a_run, planned_properties
 
 CLUSTER = "spark://127.0.0.1:7077"

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_torchdist import masking
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
-from airflow_provider_torchdist.masking import mask_setting_secrets
-from airflow_provider_torchdist.properties import read_properties
-from airflow_provider_torchdist.submit_plan import SPARK_PROPERTIES_FILE, Submission, SubmitPlan
+from airflow_provider_torchdist.submit import masking
+from airflow_provider_torchdist.submit.masking import mask_setting_secrets
+from airflow_provider_torchdist.submit.plan import SPARK_PROPERTIES_FILE, Submission, SubmitPlan
+from airflow_provider_torchdist.submit.properties import read_properties
 from tests.unit.conftest import plan_without_a_run
 
 SECRET = "s3-secret-value-0123456789"

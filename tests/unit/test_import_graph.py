@@ -95,7 +95,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph(module_files())
-    assert "airflow_provider_torchdist.spark.channel" in graph  # the graph is really built
+    assert "airflow_provider_torchdist.spark.driver.channel" in graph  # the graph is really built
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
@@ -103,8 +103,8 @@ def test_the_package_has_no_import_cycle():
 def test_report_reaches_the_ranks_client_without_importing_rank():
     graph = import_graph(module_files())
     spark = "airflow_provider_torchdist.spark"
-    assert f"{spark}.rank_context" in graph[f"{spark}.metrics"]
-    assert f"{spark}.rank" not in graph[f"{spark}.metrics"]
+    assert f"{spark}.node.rank_context" in graph[f"{spark}.node.metrics"]
+    assert f"{spark}.node.rank" not in graph[f"{spark}.node.metrics"]
 
 
 def test_a_cycle_is_found(tmp_path):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_torchdist.fast_start import installed_spark_home, plan_fast_start
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
-from airflow_provider_torchdist.jvm import (
+from airflow_provider_torchdist.submit.fast_start import installed_spark_home, plan_fast_start
+from airflow_provider_torchdist.submit.jvm import (
     C1_ONLY,
     DUMP_DONE,
     archive_key,
@@ -24,7 +24,7 @@ from airflow_provider_torchdist.jvm import (
     private_cache_dir,
     prune_cache,
 )
-from airflow_provider_torchdist.submit_plan import submit_environment
+from airflow_provider_torchdist.submit.plan import submit_environment
 from tests.unit.conftest import planned_properties
 
 KEY = ["java-a", "spark-b", "distributed", ""]

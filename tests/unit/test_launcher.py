@@ -8,9 +8,13 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
-from airflow_provider_torchdist.spark import rendezvous
-from airflow_provider_torchdist.spark.jobspec import JobSpec
-from airflow_provider_torchdist.spark.launcher import failure_from_process, launch_config, rank_environment
+from airflow_provider_torchdist.spark.node import rendezvous
+from airflow_provider_torchdist.spark.node.launcher import (
+    failure_from_process,
+    launch_config,
+    rank_environment,
+)
+from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 
 NODE_KEY = bytes(range(32))  # the key the driver would give this node
 ENV_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "OMP_NUM_THREADS", "PYTHONUNBUFFERED")
@@ -136,7 +140,7 @@ def test_debug_sets_torchxs_preset_and_rank_env_wins(clean_env):
 
 def test_debug_travels_from_the_operator_to_the_ranks_spec():
     from airflow_provider_torchdist import TorchDistributorOperator
-    from airflow_provider_torchdist.spark.jobspec import JobSpec
+    from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 
     op = TorchDistributorOperator(task_id="t", train_object=print, debug="{{ params.debug }}")
     op.debug = "True"  # as rendered
@@ -211,8 +215,8 @@ def test_a_rendezvous_that_cannot_complete_fails_after_the_timeout_saying_so() -
     """A real torchrun agent for node 0 of 2 whose peer never comes: no hang, a message to act on."""
     import time
 
-    from airflow_provider_torchdist.spark.launcher import launch_node
-    from airflow_provider_torchdist.spark.network import free_port
+    from airflow_provider_torchdist.spark.node.launcher import launch_node
+    from airflow_provider_torchdist.spark.node.network import free_port
 
     spec = _spec(num_processes=2, rendezvous_timeout=2)
     started = time.monotonic()
@@ -244,7 +248,7 @@ def test_an_agent_stopped_by_a_signal_says_which_and_why(monkeypatch, master, wh
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from airflow_provider_torchdist.spark import launcher
+    from airflow_provider_torchdist.spark.node import launcher
 
     ran_with: list[tuple] = []
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
-from airflow_provider_torchdist.spark.ledger import VANISHED_MESSAGE, RunLedger
-from airflow_provider_torchdist.spark.outcome import RankFailure
-from airflow_provider_torchdist.spark.protocol import MasterAnswer, RankError
+from airflow_provider_torchdist.spark.driver.ledger import VANISHED_MESSAGE, RunLedger
+from airflow_provider_torchdist.spark.wire.outcome import RankFailure
+from airflow_provider_torchdist.spark.wire.protocol import MasterAnswer, RankError
 
 HOST = "10.0.0.2"
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from airflow_provider_torchdist.lifeline import (
+from airflow_provider_torchdist.spark.wire.output_store import OutputManifest, read_output
+from airflow_provider_torchdist.supervision.lifeline import (
     MAX_LINE_BYTES,
     AppEvent,
     AsyncOwnerConnection,
@@ -41,7 +42,6 @@ from airflow_provider_torchdist.lifeline import (
     read_message,
     supervisor_proof,
 )
-from airflow_provider_torchdist.spark.output_store import OutputManifest, read_output
 from tests.unit.conftest import publish_value, wait_until
 
 SECRET = b"s" * 32
@@ -365,7 +365,7 @@ def test_a_status_query_shows_the_metric_history_so_far_and_the_time_elapsed(ser
 
 def test_a_failed_run_says_whether_training_or_the_run_around_it_failed():
     from airflow_provider_torchdist.errors import SparkSubmitFailed, TrainingFailed
-    from airflow_provider_torchdist.run_owner import raise_for_failure
+    from airflow_provider_torchdist.supervision.task_side import raise_for_failure
 
     training = RunState()
     training.finish("failed", error="rendezvous timed out", error_kind="training")

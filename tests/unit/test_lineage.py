@@ -138,7 +138,7 @@ def test_properties_set_in_conf_are_kept(monkeypatch):
 
 
 def test_transport_information_is_the_providers_http_transport_and_its_key_is_masked(monkeypatch, tmp_path):
-    from airflow_provider_torchdist import masking
+    from airflow_provider_torchdist.submit import masking
 
     masked: list[str] = []
     monkeypatch.setattr(masking, "mask_secret", lambda value, *a, **k: masked.append(value))

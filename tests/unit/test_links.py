@@ -20,7 +20,7 @@ from airflow_provider_torchdist.links import (
     SparkUILink,
 )
 from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
-from airflow_provider_torchdist.run_xcom import link_pusher
+from airflow_provider_torchdist.operators.xcom import link_pusher
 
 
 def test_links_are_made_from_the_application_id_and_the_connection_extras() -> None:

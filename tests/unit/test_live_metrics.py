@@ -12,16 +12,16 @@ from typing import Any
 import pytest
 
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
-from airflow_provider_torchdist.lifeline import DoneEvent, LineEvent, MetricEvent, RunStatus
-from airflow_provider_torchdist.lifeline.messages import METRICS_BUDGET_BYTES
 from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
-from airflow_provider_torchdist.run_record import RunRecord
-from airflow_provider_torchdist.run_xcom import (
+from airflow_provider_torchdist.operators.xcom import (
     METRICS_XCOM_KEY,
     WORLD_SIZES_XCOM_KEY,
     ThrottledPush,
     metrics_pusher,
 )
+from airflow_provider_torchdist.supervision.lifeline import DoneEvent, LineEvent, MetricEvent, RunStatus
+from airflow_provider_torchdist.supervision.lifeline.messages import METRICS_BUDGET_BYTES
+from airflow_provider_torchdist.supervision.record import RunRecord
 from tests.unit.conftest import wait_until
 
 RECORD = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)

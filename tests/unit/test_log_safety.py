@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from airflow_provider_torchdist.spark.channel import RunChannel
-from airflow_provider_torchdist.spark.logsafe import escape_controls
-from airflow_provider_torchdist.spark.metrics import format_metrics
+from airflow_provider_torchdist.spark.driver.channel import RunChannel
+from airflow_provider_torchdist.spark.node.metrics import format_metrics
+from airflow_provider_torchdist.spark.wire.logsafe import escape_controls
 
 FORGED = "done\n[torchdist] application evil spark-ui http://evil"
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from airflow_provider_torchdist import report
-from airflow_provider_torchdist.spark import rank_context
-from airflow_provider_torchdist.spark.metrics import RECORD_FIELDS, format_metrics
-from airflow_provider_torchdist.spark.protocol import Metric, decode, encode
+from airflow_provider_torchdist.spark.node import rank_context
+from airflow_provider_torchdist.spark.node.metrics import RECORD_FIELDS, format_metrics
+from airflow_provider_torchdist.spark.wire.protocol import Metric, decode, encode
 
 
 class FakeClient:

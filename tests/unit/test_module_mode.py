@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_torchdist import TorchDistributorOperator
-from airflow_provider_torchdist.connection import SparkTarget
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.py_files import check_module_importable, stage_py_files, zip_directory
-from airflow_provider_torchdist.run_prepare import plan_staged
-from airflow_provider_torchdist.settings_checks import build_spec
-from airflow_provider_torchdist.spark.rank import call_entry
-from airflow_provider_torchdist.staging import stage_run
-from airflow_provider_torchdist.train_module import module_name
+from airflow_provider_torchdist.spark.node.rank import call_entry
+from airflow_provider_torchdist.submit.checks import build_spec
+from airflow_provider_torchdist.submit.connection import SparkTarget
+from airflow_provider_torchdist.submit.prepare import plan_staged
+from airflow_provider_torchdist.submit.py_files import check_module_importable, stage_py_files, zip_directory
+from airflow_provider_torchdist.submit.staging import stage_run
+from airflow_provider_torchdist.submit.train_module import module_name
 
 
 def _package(root: Path, name: str = "mypkg") -> Path:

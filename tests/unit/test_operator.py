@@ -13,14 +13,14 @@ from airflow_provider_torchdist.operators.torch_distributor import (
     WORLD_SIZES_XCOM_KEY,
     TorchDistributorOperator,
 )
-from airflow_provider_torchdist.results import (
+from airflow_provider_torchdist.outputs.results import (
     ENVELOPE_KEY,
     ENVELOPE_VERSION,
     OutputSignatureError,
     load_output,
     output_origin,
 )
-from airflow_provider_torchdist.spark.outcome import Outcome, RankFailure
+from airflow_provider_torchdist.spark.wire.outcome import Outcome, RankFailure
 from tests.unit.conftest import FakeTI, plan_without_a_run
 
 
@@ -305,7 +305,7 @@ def test_make_hook_with_a_context_uses_the_tasks_checkpoint_dir():
 def test_execute_complete_after_a_failed_wait_fails_and_stops_a_run_still_there(monkeypatch, state, stopped):
     from airflow_provider_torchdist.errors import SparkSubmitFailed
     from airflow_provider_torchdist.operators import torch_distributor as operator_module
-    from airflow_provider_torchdist.run_record import RunRecord
+    from airflow_provider_torchdist.supervision.record import RunRecord
 
     record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
     ended: list[RunRecord] = []
@@ -321,9 +321,9 @@ def test_execute_complete_after_a_failed_wait_fails_and_stops_a_run_still_there(
 def test_a_task_failing_while_it_owns_the_run_stops_it_unless_a_retry_comes(monkeypatch, retries, stopped):
     from types import SimpleNamespace
 
-    from airflow_provider_torchdist import run_owner
     from airflow_provider_torchdist.errors import SparkSubmitFailed
-    from airflow_provider_torchdist.run_record import RunRecord
+    from airflow_provider_torchdist.supervision import task_side as run_owner
+    from airflow_provider_torchdist.supervision.record import RunRecord
 
     record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
     ended: list[RunRecord] = []
@@ -344,7 +344,7 @@ def test_a_retry_that_finds_the_supervisor_gone_ends_what_the_run_left_on_a_conn
     from types import SimpleNamespace
 
     from airflow_provider_torchdist.operators import torch_distributor as operator_module
-    from airflow_provider_torchdist.run_record import RunRecord
+    from airflow_provider_torchdist.supervision.record import RunRecord
 
     record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
     monkeypatch.setattr(operator_module, "run_state", lambda r: "gone")
@@ -369,7 +369,7 @@ def _follow_with_operation(store) -> tuple:
     returns the record followed and what ``_follow`` returned."""
     from types import SimpleNamespace
 
-    from airflow_provider_torchdist.run_record import RunRecord
+    from airflow_provider_torchdist.supervision.record import RunRecord
 
     record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
     op = _op()
@@ -394,7 +394,7 @@ def _follow_with_operation(store) -> tuple:
 def test_a_connect_runs_operation_joins_the_record_in_the_task_state_store():
     from types import SimpleNamespace
 
-    from airflow_provider_torchdist.run_record import RECORD_KEY, RunRecord
+    from airflow_provider_torchdist.supervision.record import RECORD_KEY, RunRecord
 
     stored: dict = {}
     record, _ = _follow_with_operation(SimpleNamespace(set=stored.__setitem__))
@@ -412,8 +412,8 @@ def test_a_failed_write_of_the_operation_to_the_state_store_does_not_fail_the_ru
 
 def test_an_owner_hands_a_connect_runs_operation_from_its_app_event_to_the_hook():
     from airflow_provider_torchdist import TorchDistributorHook
-    from airflow_provider_torchdist.lifeline import AppEvent, DoneEvent, RunStatus
-    from airflow_provider_torchdist.run_owner import follow_to_end
+    from airflow_provider_torchdist.supervision.lifeline import AppEvent, DoneEvent, RunStatus
+    from airflow_provider_torchdist.supervision.task_side import follow_to_end
 
     events = [AppEvent("local-1", None, OPERATION), DoneEvent(RunStatus("succeeded"))]
     owner = type("Owner", (), {"events": lambda self: iter(events)})()
@@ -429,7 +429,7 @@ def test_a_deferred_run_whose_supervisor_is_gone_has_its_connect_job_interrupted
     from types import SimpleNamespace
 
     from airflow_provider_torchdist.errors import SparkSubmitFailed
-    from airflow_provider_torchdist.run_record import RunRecord
+    from airflow_provider_torchdist.supervision.record import RunRecord
 
     record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
     lost: list[RunRecord] = []
@@ -445,7 +445,7 @@ def test_a_deferred_run_whose_supervisor_is_gone_has_its_connect_job_interrupted
 
 
 def _record(**fields):
-    from airflow_provider_torchdist.run_record import RunRecord
+    from airflow_provider_torchdist.supervision.record import RunRecord
 
     return RunRecord(
         run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0, **fields
@@ -456,7 +456,7 @@ def test_a_runs_deadline_is_its_tries_start_plus_execution_timeout():
     import datetime as dt
     from types import SimpleNamespace
 
-    from airflow_provider_torchdist.run_record import RunRecord
+    from airflow_provider_torchdist.supervision.record import RunRecord
 
     started = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
     ti = FakeTI()
@@ -726,7 +726,7 @@ def test_a_run_whose_task_was_cleared_since_it_started_is_stopped_not_reattached
 def test_a_run_records_the_tasks_max_tries():
     from types import SimpleNamespace
 
-    from airflow_provider_torchdist.run_record import RunRecord
+    from airflow_provider_torchdist.supervision.record import RunRecord
 
     ti = FakeTI()
     ti.max_tries = 3

@@ -11,10 +11,15 @@ import torch
 from airflow.sdk import Asset, AssetAlias
 from airflow.sdk.execution_time.context import OutletEventAccessors
 
-from airflow_provider_torchdist.lifeline import RunStatus
+from airflow_provider_torchdist.operators.outlet_events import (
+    MAX_METRICS,
+    final_metrics,
+    run_extra,
+    set_outlet_extra,
+)
 from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
-from airflow_provider_torchdist.outlet_events import MAX_METRICS, final_metrics, run_extra, set_outlet_extra
-from airflow_provider_torchdist.results import load_output
+from airflow_provider_torchdist.outputs.results import load_output
+from airflow_provider_torchdist.supervision.lifeline import RunStatus
 from tests.unit.conftest import FakeTI
 
 MODEL = Asset("torchdist://models/retrain")
@@ -102,7 +107,7 @@ def test_without_outlets_no_extra_is_set():
 
 def test_a_failed_run_sets_no_extra(faked_spark):
     from airflow_provider_torchdist.errors import TrainingFailed
-    from airflow_provider_torchdist.spark.outcome import Outcome, RankFailure
+    from airflow_provider_torchdist.spark.wire.outcome import Outcome, RankFailure
 
     faked_spark.outcome = Outcome(
         ok=False, failures=[RankFailure(rank=0, exc_type="RuntimeError", message="x")]

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from airflow_provider_torchdist.processes import (
+from airflow_provider_torchdist.supervision.processes import (
     command_line,
     end_processes,
     end_session,

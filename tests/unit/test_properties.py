@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from airflow_provider_torchdist.properties import (
+from airflow_provider_torchdist.submit.properties import (
     format_properties,
     parse_properties,
     read_properties,

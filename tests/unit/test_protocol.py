@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from airflow_provider_torchdist.spark.outcome import RankFailure
-from airflow_provider_torchdist.spark.protocol import (
+from airflow_provider_torchdist.spark.wire.outcome import RankFailure
+from airflow_provider_torchdist.spark.wire.protocol import (
     AgentFailures,
     Application,
     Bye,

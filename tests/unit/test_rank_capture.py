@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
-from airflow_provider_torchdist.spark.channel import RunChannel
-from airflow_provider_torchdist.spark.rank import apply_thread_count, rank_thread_count
+from airflow_provider_torchdist.spark.driver.channel import RunChannel
+from airflow_provider_torchdist.spark.node.rank import apply_thread_count, rank_thread_count
 from tests.unit.conftest import fast_shutdown
 
 TOKEN = "capture-token"
@@ -26,8 +26,8 @@ PREFIX = "[rank 1 @ localhost]"
 CHILD_HEADER = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from airflow_provider_torchdist.spark.channel_client import ChannelClient
-    from airflow_provider_torchdist.spark.output_capture import OutputCapture
+    from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
+    from airflow_provider_torchdist.spark.node.output_capture import OutputCapture
 
     host, port, token, node_key = sys.argv[1], int(sys.argv[2]), sys.argv[3], bytes.fromhex(sys.argv[4])
     client = (
@@ -191,7 +191,7 @@ def test_forked_rank_sizes_torch_threads_from_its_environment():
     child = textwrap.dedent(
         """
         import os, torch
-        from airflow_provider_torchdist.spark.rank import apply_thread_count
+        from airflow_provider_torchdist.spark.node.rank import apply_thread_count
 
         torch.set_num_threads(3)  # the agent's pool, sized before the ranks' value was set
         os.environ["OMP_NUM_THREADS"] = "1"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from airflow_provider_torchdist import rank_batches, rank_shard
-from airflow_provider_torchdist.spark.rank_data import DATA_DIR_ENV, shard_file
+from airflow_provider_torchdist.spark.data.rank_data import DATA_DIR_ENV, shard_file
 
 
 def write_shard(directory: Path, rank: int, batches: list[dict[str, pa.Array]]) -> Path:

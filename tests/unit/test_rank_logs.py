@@ -8,8 +8,13 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorOperator
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.settings_checks import build_spec
-from airflow_provider_torchdist.spark.rank_logs import RANKS_LOG, TAIL_LINES, RankLogFilter, rank_filter
+from airflow_provider_torchdist.spark.driver.rank_logs import (
+    RANKS_LOG,
+    TAIL_LINES,
+    RankLogFilter,
+    rank_filter,
+)
+from airflow_provider_torchdist.submit.checks import build_spec
 
 
 @pytest.mark.parametrize(

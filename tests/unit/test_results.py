@@ -18,9 +18,9 @@ import cloudpickle
 import pytest
 import torch
 
-from airflow_provider_torchdist import output_storage, signing
-from airflow_provider_torchdist.output_storage import VerifiedChunks
-from airflow_provider_torchdist.results import (
+from airflow_provider_torchdist.outputs import signing
+from airflow_provider_torchdist.outputs import storage as output_storage
+from airflow_provider_torchdist.outputs.results import (
     DEFAULT_MAX_XCOM_OUTPUT_BYTES,
     ENVELOPE_KEY,
     ENVELOPE_VERSION,
@@ -30,16 +30,17 @@ from airflow_provider_torchdist.results import (
     output_origin,
     output_to_xcom,
 )
-from airflow_provider_torchdist.spark.channel import ChannelClient, RunChannel
-from airflow_provider_torchdist.spark.jobspec import OUTPUT_FILE
-from airflow_provider_torchdist.spark.output_store import (
+from airflow_provider_torchdist.outputs.storage import VerifiedChunks
+from airflow_provider_torchdist.spark.driver.channel import ChannelClient, RunChannel
+from airflow_provider_torchdist.spark.node.storage_pickling import dump_output
+from airflow_provider_torchdist.spark.wire.jobspec import OUTPUT_FILE
+from airflow_provider_torchdist.spark.wire.output_store import (
     MANIFEST_SUFFIX,
     OutputManifest,
     encode_json,
     publish_output,
     type_name,
 )
-from airflow_provider_torchdist.spark.storage_pickling import dump_output
 from tests.unit.conftest import fast_shutdown
 
 ORIGIN = {"dag_id": "retrain", "run_id": "manual__1", "task_id": "train", "map_index": -1, "try": 1}
@@ -300,7 +301,7 @@ def test_output_on_the_same_filesystem_is_moved_not_copied(tmp_path) -> None:
 
 def test_output_to_other_storage_is_streamed(tmp_path, monkeypatch) -> None:
     # Object storage (s3://...) or another filesystem: streamed through ObjectStoragePath both ways.
-    import airflow_provider_torchdist.results as results
+    import airflow_provider_torchdist.outputs.results as results
 
     monkeypatch.setattr(results, "local_path", lambda dest: None)
     monkeypatch.setattr(output_storage, "local_path", lambda dest: None)
@@ -493,7 +494,7 @@ def test_tensors_travel_from_their_own_memory_and_load_into_shared_buffers() -> 
 
 def test_rank0_digest_travels_with_its_output_to_the_driver(tmp_path) -> None:
     """DigestingWriter hashes the pickle as it is written; the driver records it in the manifest."""
-    from airflow_provider_torchdist.spark.rank_output import DigestingWriter, send_output
+    from airflow_provider_torchdist.spark.node.rank_output import DigestingWriter, send_output
 
     value = {"w": torch.randn(300_000), "b": bytearray(b"x" * 100_000), "m": memoryview(b"abc").tobytes()}
     pickle_path = tmp_path / "rank0.pkl"
@@ -525,7 +526,7 @@ def test_rank0_digest_travels_with_its_output_to_the_driver(tmp_path) -> None:
 
 def test_rank0_on_the_drivers_machine_writes_its_value_in_place(tmp_path) -> None:
     """Local mode: no channel copy; the driver takes rank 0's file and writes its manifest."""
-    from airflow_provider_torchdist.spark.rank_output import send_output
+    from airflow_provider_torchdist.spark.node.rank_output import send_output
 
     value = {"w": torch.randn(1000)}
     channel = RunChannel("tok", "127.0.0.1", tmp_path, out=io.StringIO(), ranks_of_node=lambda n: range(1))

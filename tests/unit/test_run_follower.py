@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from airflow_provider_torchdist.run_follower import RunFollower
-from airflow_provider_torchdist.spark.owner import write_channel_address, write_owner_token
+from airflow_provider_torchdist.spark.driver.owner import write_channel_address, write_owner_token
+from airflow_provider_torchdist.submit.follow import RunFollower
 from tests.unit.conftest import wait_until
 from tests.unit.test_channel_owner import make_channel, rank_of
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.run_record import RECORD_VERSION, RunRecord, owner_secret
+from airflow_provider_torchdist.supervision.record import RECORD_VERSION, RunRecord, owner_secret
 
 GOOD = RunRecord(run_id="abc123", host="127.0.0.1", port=4242, durable=True, reattach_timeout=600.0)
 

@@ -16,16 +16,16 @@ import pyarrow as pa
 import pytest
 
 from airflow_provider_torchdist import rank_shard
-from airflow_provider_torchdist.spark.data_shards import ROUTE_CONF, shares_disk
-from airflow_provider_torchdist.spark.rank_data import DATA_DIR_ENV, MANIFEST, shard_file
-from airflow_provider_torchdist.spark.same_host_shards import (
+from airflow_provider_torchdist.spark.data.data_shards import ROUTE_CONF, shares_disk
+from airflow_provider_torchdist.spark.data.rank_data import DATA_DIR_ENV, MANIFEST, shard_file
+from airflow_provider_torchdist.spark.data.same_host_shards import (
     deal_seeded,
     piece_name,
     same_host,
     slices,
 )
-from airflow_provider_torchdist.spark.shard_files import ShardWriter
-from airflow_provider_torchdist.spark.shard_plan import ShardPlan, TrainDataError
+from airflow_provider_torchdist.spark.data.shard_files import ShardWriter
+from airflow_provider_torchdist.spark.data.shard_plan import ShardPlan, TrainDataError
 from tests.unit.test_rank_data import mapped_ranges
 
 SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float32())])

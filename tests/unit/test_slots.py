@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_provider_torchdist.spark import slots
-from airflow_provider_torchdist.spark.slots import SlotsUnavailable, wait_for_slots
+from airflow_provider_torchdist.spark.driver import slots
+from airflow_provider_torchdist.spark.driver.slots import SlotsUnavailable, wait_for_slots
 
 
 class FakeClock:

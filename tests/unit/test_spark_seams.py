@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from airflow_provider_torchdist.spark import scheduler_identity
-from airflow_provider_torchdist.spark.channel_auth import HelloRefused
-from airflow_provider_torchdist.spark.scheduler_identity import SchedulerVerifier
-from airflow_provider_torchdist.spark.spark_context import release_accumulator_server
+from airflow_provider_torchdist.spark.driver import scheduler_identity
+from airflow_provider_torchdist.spark.driver.scheduler_identity import SchedulerVerifier
+from airflow_provider_torchdist.spark.driver.spark_context import release_accumulator_server
+from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused
 
 
 def test_pyspark_still_keeps_the_accumulator_server_where_the_seam_reads_it() -> None:

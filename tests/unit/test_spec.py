@@ -17,8 +17,7 @@ import airflow_provider_torchdist
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
-from airflow_provider_torchdist.settings_checks import CHECKS, build_spec, check_settings
-from airflow_provider_torchdist.spark.jobspec import JobSpec
+from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spec import (
     DEFAULT_CONN_ID,
     LINEAGE,
@@ -32,6 +31,7 @@ from airflow_provider_torchdist.spec import (
     settings_for,
     templated_settings,
 )
+from airflow_provider_torchdist.submit.checks import CHECKS, build_spec, check_settings
 
 HOOK_SETTINGS = settings_for(RUN, SUBMIT)
 
@@ -233,16 +233,16 @@ PACKAGE_DIR = Path(airflow_provider_torchdist.__file__).parent
 #: why (found by :func:`_private_accesses`). Keyed by module and expression; the lead decides.
 ALLOWED_PRIVATE_ACCESS = {
     # Our own RunChannel, named ``channel`` inside the request handler class it defines.
-    ("spark/channel.py", "channel._serve"),
+    ("spark/driver/channel.py", "channel._serve"),
     # os._exit: a documented function; the driver and ranks leave without interpreter teardown.
-    ("spark/rank.py", "os._exit"),
+    ("spark/node/rank.py", "os._exit"),
     # The one seam into another package: Spark's JVM through py4j (PySpark's StatusTracker stops at
     # job and stage counts). Every distributed integration run goes through it.
-    ("spark/jvm_status.py", "sc._jsc"),
-    ("spark/jvm_status.py", "sc._jvm"),
+    ("spark/driver/jvm_status.py", "sc._jsc"),
+    ("spark/driver/jvm_status.py", "sc._jvm"),
     # The second: PySpark's accumulator server, released before sc.stop() (spark_context.py,
     # release_accumulator_server; fast_jvm_start). Measured 0.94 s of sc.stop() without it.
-    ("spark/spark_context.py", "sc._accumulatorServer"),
+    ("spark/driver/spark_context.py", "sc._accumulatorServer"),
 }
 
 
@@ -297,11 +297,12 @@ def test_no_private_attributes_of_other_packages_beyond_the_allowed_seams():
     assert not {access for _, access in found if access.rpartition(".")[2] in private}
 
 
-def test_every_setting_is_documented_in_the_readme_table():
-    """The README's operator table lists every setting: adding one without its docs fails here."""
+def test_every_setting_is_documented_in_the_reference_table():
+    """The reference's operator table (docs/reference.md) lists every setting: adding one without
+    its docs fails here."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    table = readme[readme.index("## Operator and hook") : readme.index("**One spec.**")]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "reference.md").read_text()
+    table = page[: page.index("**One spec.**")]
     missing = [name for name in SETTINGS if f"`{name}`" not in table]
-    assert not missing, f"settings missing from README's operator table: {missing}"
+    assert not missing, f"settings missing from docs/reference.md's operator table: {missing}"

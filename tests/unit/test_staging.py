@@ -18,8 +18,8 @@ import cloudpickle
 import pytest
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, PayloadNotPicklable
-from airflow_provider_torchdist.spark.jobspec import PAYLOAD_FILE, SPEC_FILE, JobSpec
-from airflow_provider_torchdist.staging import (
+from airflow_provider_torchdist.spark.wire.jobspec import PAYLOAD_FILE, SPEC_FILE, JobSpec
+from airflow_provider_torchdist.submit.staging import (
     DRIVER_SCRIPT,
     PACKAGE_DIR,
     SPARK_ZIP,
@@ -315,14 +315,14 @@ def test_spark_zip_holds_the_spark_side_without_airflow(tmp_path):
     # spec.py: TrainingSpec, the base of the JobSpec the driver reads.
     # callbacks/: the framework callbacks run in the ranks' training code.
     expected = {"airflow_provider_torchdist/__init__.py", "airflow_provider_torchdist/spec.py"} | {
-        f"airflow_provider_torchdist/{package}/{p.name}"
+        f"airflow_provider_torchdist/{p.relative_to(PACKAGE_DIR).as_posix()}"
         for package in ("spark", "callbacks")
-        for p in (PACKAGE_DIR / package).glob("*.py")
+        for p in (PACKAGE_DIR / package).rglob("*.py")
     }
     assert names == expected
-    assert "airflow_provider_torchdist/spark/driver.py" in names
+    assert "airflow_provider_torchdist/spark/app.py" in names
     assert "airflow_provider_torchdist/callbacks/lightning_report.py" in names
-    assert "airflow_provider_torchdist/spark/rank.py" in names
+    assert "airflow_provider_torchdist/spark/node/rank.py" in names
     for name, source in sources.items():
         assert not _AIRFLOW_IMPORT.search(source), f"{name} imports airflow"
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_torchdist.spark import rendezvous
-from airflow_provider_torchdist.spark.jobspec import JobSpec
-from airflow_provider_torchdist.spark.network import free_port, interface_address, listen_on
+from airflow_provider_torchdist.spark.node import rendezvous
+from airflow_provider_torchdist.spark.node.network import free_port, interface_address, listen_on
+from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 
 psutil = pytest.importorskip("psutil")
 
@@ -86,7 +86,7 @@ def _spec(**fields) -> JobSpec:
 
 
 def _node(spec: JobSpec, node_rank: int, entry: str, host: str, master):
-    from airflow_provider_torchdist.spark.launcher import launch_node
+    from airflow_provider_torchdist.spark.node.launcher import launch_node
 
     return launch_node(
         spec,

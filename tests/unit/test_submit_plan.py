@@ -15,17 +15,16 @@ from airflow.providers.apache.spark.hooks import spark_submit
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.providers.common.compat.sdk import BaseHook
 
-from airflow_provider_torchdist import masking
-from airflow_provider_torchdist.connection import (
+from airflow_provider_torchdist.errors import InvalidTrainingConfig
+from airflow_provider_torchdist.submit import masking
+from airflow_provider_torchdist.submit.checks import build_spec
+from airflow_provider_torchdist.submit.connection import (
     SparkTarget,
     connection_in_environment,
     master_url,
     resolve_target,
 )
-from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.properties import read_properties
-from airflow_provider_torchdist.settings_checks import build_spec
-from airflow_provider_torchdist.submit_plan import (
+from airflow_provider_torchdist.submit.plan import (
     APP_CONF,
     APP_NAME,
     SPARK_PROPERTIES_FILE,
@@ -38,6 +37,7 @@ from airflow_provider_torchdist.submit_plan import (
     submit_hook_arguments,
     topology_conf,
 )
+from airflow_provider_torchdist.submit.properties import read_properties
 
 SECRET = "plan-secret-0123456789"
 

@@ -17,8 +17,12 @@ from typing import Any
 import psutil
 import pytest
 
-from airflow_provider_torchdist.connection import SparkTarget
-from airflow_provider_torchdist.lifeline import (
+from airflow_provider_torchdist.spark.wire.outcome import Outcome, RankFailure
+from airflow_provider_torchdist.spark.wire.output_store import read_output
+from airflow_provider_torchdist.submit.checks import build_spec
+from airflow_provider_torchdist.submit.connection import SparkTarget
+from airflow_provider_torchdist.submit.plan import build_plan
+from airflow_provider_torchdist.supervision.lifeline import (
     DoneEvent,
     ErrorEvent,
     LifelineError,
@@ -27,12 +31,8 @@ from airflow_provider_torchdist.lifeline import (
     RunGone,
     query_status,
 )
-from airflow_provider_torchdist.processes import is_alive, start_detached
-from airflow_provider_torchdist.settings_checks import build_spec
-from airflow_provider_torchdist.spark.outcome import Outcome, RankFailure
-from airflow_provider_torchdist.spark.output_store import read_output
-from airflow_provider_torchdist.submit_plan import build_plan
-from airflow_provider_torchdist.supervisor import (
+from airflow_provider_torchdist.supervision.processes import is_alive, start_detached
+from airflow_provider_torchdist.supervision.supervisor import (
     ADDRESS_FILE,
     ERROR_FILE,
     EXIT_LOCKED,
@@ -464,7 +464,7 @@ import os, sys
 from pathlib import Path
 sys.path.insert(0, {str(Path(__file__).parents[2])!r})
 from tests.unit.conftest import publish_value
-from airflow_provider_torchdist.spark.outcome import Outcome
+from airflow_provider_torchdist.spark.wire.outcome import Outcome
 staging = Path(sys.argv[-1]).parent
 publish_value(42, staging)
 Outcome(ok=True).write(staging)
@@ -515,7 +515,7 @@ def start_supervisor(staging: Path) -> tuple[subprocess.Popen, float]:
     }
     started = time.monotonic()
     process = start_detached(
-        [sys.executable, "-m", "airflow_provider_torchdist.supervisor", str(staging)],
+        [sys.executable, "-m", "airflow_provider_torchdist.supervision.supervisor", str(staging)],
         env=env,
         log=staging.parent / f"{staging.name}.log",
     )
@@ -616,7 +616,7 @@ def test_sigterm_tears_the_detached_supervisor_down(tmp_path):
 def test_the_supervisors_log_lines_reach_its_owners_escaped_without_the_drivers_own() -> None:
     import structlog
 
-    from airflow_provider_torchdist.supervised_run import forward_logs
+    from airflow_provider_torchdist.supervision.submission import forward_logs
 
     saved = structlog.get_config()
     lines: list[str] = []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_torchdist.sweep import (
+from airflow_provider_torchdist.supervision.sweep import (
     ADDRESS_FILE,
     STALE_AFTER_S,
     SUPERVISOR_FILE,
@@ -47,7 +47,12 @@ def test_a_dead_supervisors_staging_dir_goes_and_a_live_ones_stays(tmp_path, dea
     # This test process is alive, but not a supervisor: its PID in an address is a recycled one.
     recycled = staging(tmp_path, "torchdist-recycled", addr_pid=os.getpid(), config_age=1)
     supervisor = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)", "airflow_provider_torchdist.supervisor"]
+        [
+            sys.executable,
+            "-c",
+            "import time; time.sleep(60)",
+            "airflow_provider_torchdist.supervision.supervisor",
+        ]
     )
     try:
         live = staging(tmp_path, "torchdist-live", addr_pid=supervisor.pid, config_age=STALE_AFTER_S * 2)

@@ -135,7 +135,7 @@ def test_xcom_when_the_run_does_not_answer_or_the_task_has_ended():
 
 
 def test_live_history_of_a_record_that_is_not_ours_or_nowhere_is_none():
-    from airflow_provider_torchdist.run_record import RunRecord
+    from airflow_provider_torchdist.supervision.record import RunRecord
     from airflow_provider_torchdist.ui.task_facts import live_history
 
     assert live_history({"something": "else"}) is None
@@ -371,7 +371,7 @@ def test_the_plugin_registers_its_app_and_view_from_airflow_3_3_only():
 
 
 def _record(host: str, port: int = 1, run_id: str = "run-a") -> dict:
-    from airflow_provider_torchdist.run_record import RunRecord
+    from airflow_provider_torchdist.supervision.record import RunRecord
 
     return RunRecord(run_id=run_id, host=host, port=port, durable=True, reattach_timeout=60.0).to_dict()
 
@@ -379,7 +379,7 @@ def _record(host: str, port: int = 1, run_id: str = "run-a") -> dict:
 @pytest.fixture
 def asked(monkeypatch):
     """The supervisors :func:`live_history` asks (none answers), with a clean cache and a key."""
-    from airflow_provider_torchdist import lifeline
+    from airflow_provider_torchdist.supervision import lifeline
     from airflow_provider_torchdist.ui import task_facts
 
     calls: list[tuple[str, int]] = []

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.lifeline import (
+from airflow_provider_torchdist.supervision.lifeline import (
     AppEvent,
     DoneEvent,
     LifelineError,
@@ -30,7 +30,7 @@ from airflow_provider_torchdist.lifeline import (
     RunState,
     RunStatus,
 )
-from airflow_provider_torchdist.run_record import RunRecord
+from airflow_provider_torchdist.supervision.record import RunRecord
 from airflow_provider_torchdist.triggers import torch_distributor as trigger_module
 from airflow_provider_torchdist.triggers.torch_distributor import TorchDistributorTrigger
 from tests.unit.conftest import wait_until

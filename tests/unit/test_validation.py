@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.validation import (
+from airflow_provider_torchdist.submit.validation import (
     check_args,
     check_bool,
     check_int,

@@ -1,0 +1,186 @@
+"""The driver's side of an elastic run (``num_processes="MIN:MAX"``): see :mod:`.elastic`.
+
+An ordinary stage of MAX/nproc_per_node tasks instead of a barrier stage; the rendezvous store
+served here; Spark's executor losses turned into forced restarts and into the ``world_sizes``
+history; a verdict that names the losses when the run cannot go on.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_torchdist.spark.driver.executor_loss import ExecutorWatch
+from airflow_provider_torchdist.spark.driver.owner import write_channel_address
+from airflow_provider_torchdist.spark.driver.spark_context import (
+    cluster_channel,
+    first_line,
+    group_canceller,
+    stop_spark,
+)
+from airflow_provider_torchdist.spark.elastic.task import RendezvousStore
+from airflow_provider_torchdist.spark.elastic.world_sizes import WorldSizeHistory
+from airflow_provider_torchdist.spark.wire.events import emit
+from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
+from airflow_provider_torchdist.spark.wire.outcome import Outcome
+from airflow_provider_torchdist.spark.wire.protocol import ProtocolError
+
+
+def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
+    """An ordinary stage of MAX/nproc_per_node tasks, each a torchrun agent for ``--nnodes=MIN:MAX``
+    on the rendezvous store this driver serves (:mod:`.elastic`)."""
+    from pyspark import SparkContext
+
+    from airflow_provider_torchdist.spark.driver.slots import wait_for_slots
+    from airflow_provider_torchdist.spark.elastic.task import elastic_task
+
+    # The driver serves the rendezvous store, so it needs torch (about a second to import): import it
+    # while the JVM starts, which mostly waits on another process.
+    threading.Thread(target=importlib.import_module, args=("torch.distributed",), daemon=True).start()
+    emit("spark_context_start")
+    sc = SparkContext.getOrCreate()
+    emit("spark_context_up")
+    group = f"torchdist-{spec.run_id}"
+    cancel = group_canceller(sc, group)  # also when an agent gives up (out of restarts, below MIN)
+    try:
+        host = sc.getConf().get("spark.driver.host")
+        store = RendezvousStore(host, timeout=spec.rendezvous_timeout + 60, token=spec.token)
+        monitor = ElasticMonitor(spec, store, cancel, say=lambda text: channel.say(text))
+        history = monitor.history
+        channel = cluster_channel(
+            spec,
+            staging,
+            sc,
+            group,
+            cancel,
+            # The rendezvous gives out the global ranks anew in every generation: a node's ranks
+            # may be any of them (its identity is still its verified host and key).
+            ranks_of_node=lambda _: range(spec.max_processes),
+            on_world_size=monitor.world_size,
+        )
+        with channel:
+            write_channel_address(staging, channel.address)
+            channel.say(
+                f"elastic mode: {spec.min_processes} to {spec.max_processes} ranks, {spec.num_nodes} Spark "
+                f"task(s) x {spec.nproc_per_node} process(es), join window {spec.join_window}s, "
+                f"max_restarts {spec.max_restarts}, master {sc.master}"
+            )
+            if channel.rank_filter:
+                channel.say(channel.rank_filter.announcement())
+            channel.application(sc.applicationId, sc.uiWebUrl or None)
+            wait_for_slots(sc, spec.min_nodes, spec.slot_timeout, channel.say)
+            sc.setJobGroup(group, f"torchdist elastic training {spec.run_id}", interruptOnCancel=True)
+            stage = sc.parallelize(range(spec.num_nodes), spec.num_nodes)
+            error = None
+            watch = ExecutorWatch(sc, lambda: monitor.lost(watch.lost))
+            try:
+                with watch:
+                    emit("elastic_stage_submitted")
+                    results = stage.mapPartitions(
+                        functools.partial(elastic_task, spec, channel.address, store.address, str(staging))
+                    ).collect()
+                    emit("elastic_stage_done")
+            except Exception as exc:
+                results = []
+                if not channel.failures:
+                    error = first_line(exc)
+            failures = channel.failures
+            if monitor.gave_up:
+                error = _elastic_loss_error(spec, history, failures, nobody_left=True)
+                channel.say(error)
+            elif failures and history.losses:
+                error = _elastic_loss_error(spec, history, failures)
+                channel.say(error)
+            emit("channel_close")
+        emit("channel_closed")
+        return Outcome(
+            ok=not failures and error is None,
+            failures=failures,
+            error=error,
+            hosts=sorted({r["host"] for r in map(json.loads, results)}),
+            metrics=channel.metrics,
+            world_sizes=history.entries,
+        )
+    finally:
+        stop_spark(sc, fast=spec.fast_jvm_start)
+
+
+class ElasticMonitor:
+    """The driver's view of an elastic run's generations and losses.
+
+    - :meth:`world_size`: rank 0 of a new worker group says its size (checked against the range).
+    - :meth:`lost`: Spark lost executors. The history notes them, the survivors are told to restart
+      now, and a deadline starts: when no group forms again within ``rendezvous_timeout`` plus
+      ``join_window`` and a margin for Spark to place retried tasks (every node was lost, or those
+      left cannot run), the run is cancelled instead of waiting for executors forever.
+    """
+
+    #: Seconds beyond the rendezvous's own timeout for Spark to start a retried task.
+    MARGIN_S = 30.0
+
+    def __init__(
+        self, spec: JobSpec, store: RendezvousStore, cancel: Callable[[], None], say: Callable[[str], None]
+    ) -> None:
+        self._spec = spec
+        self._store = store
+        self._cancel = cancel
+        self.history = WorldSizeHistory(say=say)
+        self._noted: set[str] = set()
+        self._regrouped = threading.Event()
+        #: Set when the deadline after a loss passed without a new worker group.
+        self.gave_up = False
+
+    def world_size(self, size: int) -> int:
+        spec = self._spec
+        if not spec.min_processes <= size <= spec.max_processes or size % spec.nproc_per_node:
+            raise ProtocolError(
+                f"a worker group of {size} ranks is outside num_processes={spec.num_processes!r} "
+                f"(nproc_per_node={spec.nproc_per_node})"
+            )
+        self._regrouped.set()
+        return self.history.generation(size)
+
+    def lost(self, executors: dict[str, str]) -> None:
+        new = [(address, host) for address, host in list(executors.items()) if address not in self._noted]
+        if not new:
+            return
+        for address, host in new:
+            self._noted.add(address)
+            self.history.node_lost(host)
+        # Survivors may block in a collective with the lost ranks: restart those that started
+        # before the loss (Spark noticed it a moment after it happened).
+        self._store.restart_survivors(lost_at=time.time() - 1.0)
+        self._regrouped.clear()
+        deadline = self._spec.rendezvous_timeout + self._spec.join_window + self.MARGIN_S
+        threading.Thread(target=self._deadline, args=(deadline,), daemon=True).start()
+
+    def _deadline(self, seconds: float) -> None:
+        if not self._regrouped.wait(seconds):
+            self.gave_up = True
+            self._cancel()
+
+
+def _elastic_loss_error(
+    spec: JobSpec, history: WorldSizeHistory, failures: list[Any], *, nobody_left: bool = False
+) -> str:
+    """Why an elastic run that lost nodes could not go on: below MIN, or out of restarts."""
+    if nobody_left:
+        why = (
+            f"no worker group formed again within rendezvous_timeout={spec.rendezvous_timeout}s (+ "
+            f"join_window and {ElasticMonitor.MARGIN_S:.0f}s): no node was left, or Spark could not "
+            f"place MIN={spec.min_processes} ranks' tasks"
+        )
+    elif any(f.exc_type == "RendezvousTimeout" for f in failures):
+        why = (
+            f"fewer than MIN={spec.min_processes} ranks remained and no replacement joined within "
+            f"rendezvous_timeout={spec.rendezvous_timeout}s"
+        )
+    else:
+        why = f"a node used up its max_restarts={spec.max_restarts} (each loss costs every survivor one)"
+    return f"the elastic run could not go on after losing {history.describe_losses()}: {why}"

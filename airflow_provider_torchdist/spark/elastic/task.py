@@ -1,0 +1,218 @@
+"""Elastic runs (``num_processes="MIN:MAX"``): the driver's rendezvous store, and the Spark task.
+
+A barrier stage is all-or-nothing: it cannot start with MIN of MAX tasks, and losing one task
+cancels all of them. An elastic run is therefore an ordinary stage of MAX/nproc_per_node tasks,
+each running one torchrun agent with ``--nnodes=MIN:MAX`` and torch's ``c10d`` rendezvous, whose
+store the driver hosts (not task 0, which may be the one lost). Spark's task retry is what brings a
+lost node back when a slot frees up; a task that arrives after the run finished finds the
+rendezvous closed and ends at once.
+
+When Spark loses an executor, the ranks on the other hosts may block in a collective until gloo's
+timeout (30 minutes). So the driver forces the restart: it writes a signed request naming the
+loss into its store (:meth:`RendezvousStore.restart_survivors`), and every agent's
+:class:`RestartWatch` stops its workers that were started before the loss. Their agents then restart them, which
+re-rendezvouses at the new size; the ranks resume from ``load_latest_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+
+from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
+from airflow_provider_torchdist.spark.wire.events import emit
+from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
+from airflow_provider_torchdist.spark.wire.outcome import RankFailure
+from airflow_provider_torchdist.spark.wire.protocol import NodeStarted
+
+#: The store key of the driver's restart request (outside torch's ``torch.rendezvous.`` keys).
+RESTART_KEY = "torchdist/restart"
+#: How often an agent looks at the counter.
+WATCH_EVERY_S = 0.2
+
+
+class RendezvousStore:
+    """The ``c10d`` rendezvous store of an elastic run, served by the driver on ``host`` only.
+
+    Torch's own backends listen on every interface; this one takes a socket bound to the address
+    the executors reach the driver at (``master_listen_fd``, as ``spark/rendezvous.py`` does).
+    """
+
+    def __init__(self, host: str, timeout: float, token: str) -> None:
+        from torch.distributed import TCPStore
+
+        from airflow_provider_torchdist.spark.node.network import listen_on
+        from airflow_provider_torchdist.spark.node.signed_rendezvous import run_key
+
+        self._key = run_key(token, "restart")
+        self._restarts = 0
+
+        listener = listen_on(host, 0)
+        port = listener.getsockname()[1]
+        # TCPStore owns the descriptor from the call on and closes it, even when it fails.
+        self._store = TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            multi_tenant=True,
+            timeout=timedelta(seconds=timeout),
+            master_listen_fd=listener.detach(),
+        )
+        self.address = (host, port)
+
+    def restart_survivors(self, lost_at: float) -> int:
+        """Tell every agent to restart its workers that started before ``lost_at`` (epoch seconds);
+        returns the count of such requests. Signed: the store has no authentication."""
+        from airflow_provider_torchdist.spark.node.signed_rendezvous import seal
+
+        self._restarts += 1
+        request = json.dumps({"n": self._restarts, "before": lost_at}).encode()
+        self._store.set(RESTART_KEY, seal(self._key, request))
+        return self._restarts
+
+
+class RestartWatch:
+    """An agent's watch on the driver's restart requests: a new one stops this node's workers that
+    started before the loss it names.
+
+    A worker group that re-formed after the loss (its ranks saw their peers' sockets close) is left
+    alone. The request is signed with the run's key; one that does not verify is ignored, so a
+    stranger who reaches the store cannot make the run spend its restarts.
+    """
+
+    def __init__(self, store: tuple[str, int], timeout: float, token: str) -> None:
+        from torch.distributed import TCPStore
+
+        from airflow_provider_torchdist.spark.node.signed_rendezvous import run_key
+
+        self._key = run_key(token, "restart")
+        self._client = TCPStore(
+            store[0], store[1], is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        )
+        self._seen = 0
+        self._seen = self._request()[0]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="torchdist-restart-watch", daemon=True)
+        #: How many times this node's workers were stopped for a restart.
+        self.restarts = 0
+
+    def __enter__(self) -> RestartWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _request(self) -> tuple[int, float]:
+        """The latest verified request: ``(its number, the loss time)``; ``(0, 0.0)`` for none."""
+        from airflow_provider_torchdist.spark.node.signed_rendezvous import unseal
+
+        if not self._client.check([RESTART_KEY]):
+            return 0, 0.0
+        try:
+            request = json.loads(unseal(self._key, self._client.get(RESTART_KEY), "restart request"))
+            return int(request["n"]), float(request["before"])
+        except Exception:  # unsigned, forged or malformed: not the driver's
+            return self._seen, 0.0
+
+    def _run(self) -> None:
+        while not self._stop.wait(WATCH_EVERY_S):
+            try:
+                number, lost_at = self._request()
+            except Exception:  # the driver is gone: the run is ending, Spark ends this task
+                return
+            if number > self._seen:
+                self._seen = number
+                self.restarts += 1
+                stop_workers_started_before(lost_at)
+
+
+def stop_workers_started_before(seen_at: float) -> list[int]:
+    """SIGKILL this agent's worker processes created before ``seen_at`` (epoch seconds, the
+    driver's clock: hosts' clocks must agree to within about a second); returns their PIDs.
+
+    SIGKILL, because a rank blocked in a collective does not run Python signal handlers. The
+    agent sees the workers fail and restarts them (one of ``max_restarts``).
+    """
+    import psutil
+
+    stopped = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if child.create_time() < seen_at:
+                child.send_signal(signal.SIGKILL)
+                stopped.append(child.pid)
+    return stopped
+
+
+def elastic_task(
+    spec: JobSpec,
+    channel_address: tuple[str, int],
+    store: tuple[str, int],
+    driver_output_dir: str | None,
+    _: Iterator[int],
+) -> Iterator[str]:
+    """One node of an elastic run: register with the driver, then run torchrun's agent for MIN:MAX.
+
+    The node rank is the Spark partition id; the global ranks are the rendezvous's to give, per
+    generation. Failures go to the driver over the run channel, as in a barrier task.
+    """
+    from pyspark import SparkFiles, TaskContext
+
+    from airflow_provider_torchdist.spark.node.barrier import gpu_environment, shared_output_dir
+    from airflow_provider_torchdist.spark.node.rank import die_with_parent
+
+    die_with_parent()
+    ctx = TaskContext.get()
+    node = ctx.partitionId()
+    emit("task_start", node=node)
+    # An ordinary task has no list of its peers' addresses: the driver tells the node its host, as
+    # Spark's scheduler placed it, when it vouches for it.
+    client = ChannelClient.as_node(
+        channel_address, spec.token, node=node, task_attempt=ctx.taskAttemptId(), host=None
+    )
+    if client.host is None:
+        raise RuntimeError(
+            "the driver did not tell this node its host: the driver and executors run different versions"
+        )
+    host = client.host
+    client.send(NodeStarted())
+    failures: list[RankFailure]
+    try:
+        gpus = ctx.resources().get("gpu")
+        os.environ.update(gpu_environment(spec, list(gpus.addresses) if gpus else None))
+        from airflow_provider_torchdist.spark.node.launcher import launch_node  # imports torch
+
+        with RestartWatch(store, spec.rendezvous_timeout, spec.token):
+            failures = launch_node(
+                spec,
+                node_rank=node,
+                entry_path=SparkFiles.get(spec.entry),
+                channel_address=channel_address,
+                host=host,
+                task_cpus=ctx.cpus(),
+                # Any node may hold rank 0 in some generation.
+                output_dir=shared_output_dir(driver_output_dir),
+                node_key=client.node_key,
+                store=store,
+            )
+    except Exception as exc:
+        failures = [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]
+    stopped = [f for f in failures if f.exc_type == "SignalException"]
+    if stopped:
+        # Spark stopped this node (its executor went away, or the stage was cancelled): in an
+        # elastic run that is a lost node, which the others survive while MIN remain, not a failure.
+        client.line("err", f"this node was stopped and leaves the run ({stopped[0].message})")
+        failures = []
+    if failures:
+        client.failures(failures)
+    client.close()
+    emit("task_end", node=node)
+    yield json.dumps({"node": node, "host": host, "failed": bool(failures)})

@@ -1,0 +1,9 @@
+"""What runs on a cluster node: the barrier task, torchrun's agent and each rank.
+
+The barrier task (``barrier``), the agent that starts torchrun for one node (``launcher``, with
+``rendezvous``, ``signed_rendezvous``, ``network``), and what each rank runs and sends back
+(``rank``, ``rank_context``, ``rank_output``, ``output_capture``, ``storage_pickling``,
+``channel_client``), with the rank-side API: ``metrics`` (``report()``) and ``checkpoints``.
+
+It may import ``wire`` only.
+"""

@@ -1,0 +1,204 @@
+"""What each rank runs: load the work, call it, forward its output, send back rank 0's value.
+
+Ranks are forked by torchrun's agent from a process that has already imported torch, so a rank
+starts in milliseconds. Everything a rank prints goes through :class:`OutputCapture` to the driver.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import runpy
+import signal
+import sys
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+import cloudpickle
+
+from airflow_provider_torchdist.spark.node import rank_context
+from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
+from airflow_provider_torchdist.spark.node.output_capture import OutputCapture
+from airflow_provider_torchdist.spark.node.rank_output import send_output
+from airflow_provider_torchdist.spark.wire.events import emit
+from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
+from airflow_provider_torchdist.spark.wire.protocol import WorldSize, rank_prefix
+
+_PR_SET_PDEATHSIG = 1
+_HERE = os.path.dirname(__file__)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent (the torchrun agent) dies.
+
+    A rank must never outlive its agent: an orphan keeps holding GPUs and ports.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def rank_thread_count(
+    nproc: int, *, environ: Mapping[str, str], task_cpus: int | None, cpus_allowed: int
+) -> str | None:
+    """The ``OMP_NUM_THREADS`` to give each of a node's ``nproc`` ranks; None keeps what they inherit.
+
+    What the ``torchrun`` command would give them, fitted to the CPUs this node has:
+
+    - a value already in the environment that the user set (the Airflow worker's or ``env_vars``
+      in local mode, ``spark.executorEnv.OMP_NUM_THREADS`` on executors) is kept;
+    - Spark gives its Python workers ``OMP_NUM_THREADS=spark.task.cpus`` of its own accord: that is
+      the whole task's share, which its ranks split (``task_cpus`` is the barrier task's CPU count);
+    - unset with several ranks: 1, as torchrun sets; unset with one rank: torch's own default.
+
+    A derived count never exceeds the CPUs this process may run on (``cpus_allowed``, its CPU
+    affinity, which executors started under a cpuset or ``taskset`` inherit) split between the ranks.
+    Example: Spark's ``OMP_NUM_THREADS=8`` for an 8-CPU task running 4 ranks gives ``"2"`` each.
+    """
+    preset = environ.get("OMP_NUM_THREADS")
+    if task_cpus is not None and preset == str(task_cpus):
+        share = min(task_cpus, cpus_allowed)  # Spark's own value: the task's CPUs, split below
+    elif preset:
+        return None  # the user's choice
+    elif nproc > 1:
+        return "1"
+    else:
+        return None
+    return str(max(1, share // nproc))
+
+
+def apply_thread_count(environ: Mapping[str, str] | None = None) -> int | None:
+    """Size torch's intra-op thread pool in this rank from its ``OMP_NUM_THREADS``.
+
+    torch reads ``OMP_NUM_THREADS`` once per process. A rank forked from the agent inherits the
+    agent's pool, sized when the agent imported torch, before the launcher set the ranks' value:
+    without this, two ranks on two cores each ran two threads and trained at a third of the speed.
+    Returns the count applied, None when the variable is unset or not a positive integer.
+    """
+    value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "")
+    try:
+        count = int(value)
+    except ValueError:
+        return None
+    if count < 1:
+        return None
+    import torch  # already imported by the agent this rank forked from
+
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+    return count
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback from the user's first frame on: the frames of this module are noise to them."""
+    tb = exc.__traceback__
+    while tb is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == _HERE:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def describe_exception(exc: BaseException) -> dict[str, Any]:
+    """The fields of a :class:`RankFailure` that a rank knows about its own exception."""
+    if isinstance(exc, SystemExit):
+        return {"exc_type": "SystemExit", "message": f"exit code {exc.code}", "exitcode": exc.code}
+    return {
+        "exc_type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+        "message": str(exc),
+        "traceback": user_traceback(exc),
+    }
+
+
+def call_entry(spec: JobSpec, entry_path: str) -> Any:
+    """Run the user's work in this process: the pickled callable, or the script or module as
+    ``__main__`` (``python script.py`` / ``python -m module``, with its args as ``sys.argv``)."""
+    if spec.kind == "callable":
+        with open(entry_path, "rb") as f:
+            payload = cloudpickle.load(f)
+        return payload["fn"](*payload["args"], **payload["kwargs"])
+    if spec.kind == "module":
+        sys.argv = [spec.entry, *spec.script_args]  # argv[0] becomes the module's file, as with -m
+        try:
+            found = importlib.util.find_spec(spec.entry)
+        except ModuleNotFoundError:  # a parent package is missing
+            found = None
+        if found is None:
+            raise ModuleNotFoundError(
+                f"train_object module {spec.entry!r} is not importable on this host: install it in "
+                "the cluster's Python, or ship it with py_files=[...] (a package directory, .zip, .egg "
+                "or .py)",
+                name=spec.entry,
+            )
+        runpy.run_module(spec.entry, run_name="__main__", alter_sys=True)
+        return None
+    sys.argv = [entry_path, *spec.script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(entry_path)))
+    runpy.run_path(entry_path, run_name="__main__")
+    return None
+
+
+def run_rank(
+    spec: JobSpec,
+    entry_path: str,
+    channel_address: tuple[str, int],
+    host: str,
+    output_dir: str | None,
+    node: int,
+    node_key: bytes,
+) -> None:
+    """The entry point torchrun's agent calls in every rank it forks.
+
+    ``output_dir``: the driver's output directory when this rank runs on the driver's machine (local
+    mode): rank 0 then writes its value there itself instead of streaming it over the channel.
+    ``node`` and ``node_key``: this rank's node and the key it proves its identity with.
+    """
+    die_with_parent()
+    apply_thread_count()
+    rank = int(os.environ["RANK"])
+    prefix = rank_prefix(rank, host)
+    try:
+        client: ChannelClient | None = ChannelClient.as_rank(
+            channel_address,
+            spec.token,
+            node=node,
+            rank=rank,
+            generation=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            host=host,
+            node_key=node_key,
+        )
+    except OSError as exc:
+        print(f"[torchdist] {prefix} cannot reach the driver at {channel_address}: {exc}", file=sys.stderr)
+        client = None
+    if client and spec.elastic and rank == 0:
+        # Each generation of an elastic run has one rank 0: the driver learns the new world size
+        # from it (and numbers the generation whose output this rank's connection may carry).
+        client.send(WorldSize(int(os.environ["WORLD_SIZE"])))
+    rank_context.set_client(client)  # for report()
+    capture = OutputCapture(client, prefix)
+    capture.start()
+    try:
+        emit("rank_start", rank=rank)
+        value = call_entry(spec, entry_path)
+        emit("rank_returned", rank=rank)
+        if rank == 0 and spec.kind == "callable":
+            send_output(client, value, output_dir)
+            emit("output_sent", rank=rank)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            if client:
+                client.error(describe_exception(exc))
+            raise
+    except BaseException as exc:
+        sys.stderr.write(user_traceback(exc))
+        if client:
+            client.error(describe_exception(exc))
+        raise
+    finally:
+        capture.stop()
+        if client:
+            client.close()
+        emit("rank_end", rank=rank)

@@ -1,0 +1,8 @@
+"""What crosses a process or machine boundary: messages, files and their formats.
+
+The run channel's protocol and its authentication (``protocol``, ``json_lines``, ``channel_auth``),
+the job spec the hook writes and the verdict the driver writes (``jobspec``, ``outcome``), rank 0's
+output on its way out (``output_store``), phase events, private atomic files and log escaping.
+
+It imports nothing of the package but ``spec``: both the Airflow side and the cluster read it.
+"""

@@ -1,0 +1,110 @@
+"""What the hook does before any run starts: the checks that can fail first, the staged work, and
+its plan.
+
+:func:`check_and_stage` runs every check that can fail before anything starts
+(:mod:`~airflow_provider_torchdist.submit.preflight`), then stages the work
+(:mod:`~airflow_provider_torchdist.submit.staging`); :func:`plan_staged` turns the staged run into a
+:class:`~airflow_provider_torchdist.submit.plan.SubmitPlan` and its fast JVM start. Between the
+two the caller owns the staging directory (and removes it when planning fails).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from airflow_provider_torchdist.spark.node.checkpoints import CHECKPOINT_ENV
+from airflow_provider_torchdist.spec import TrainingSpec
+from airflow_provider_torchdist.submit.connect import check_connect_run
+from airflow_provider_torchdist.submit.connection import SparkTarget
+from airflow_provider_torchdist.submit.fast_start import FastStart, plan_fast_start
+from airflow_provider_torchdist.submit.plan import (
+    SubmitPlan,
+    build_plan,
+    spark_home,
+    spark_properties,
+    submit_environment,
+)
+from airflow_provider_torchdist.submit.preflight import (
+    check_checkpoint_dir,
+    check_cluster_capacity,
+    check_gpu_conf,
+    check_master_reachable,
+    check_spark_binary,
+    check_torch_here,
+)
+from airflow_provider_torchdist.submit.py_files import check_module_importable, stage_py_files
+from airflow_provider_torchdist.submit.staging import StagedRun, stage_run
+from airflow_provider_torchdist.submit.validation import check_args
+
+
+def check_and_stage(
+    spec: TrainingSpec,
+    target: SparkTarget,
+    log: Any,
+    train_object: Callable[..., Any] | str,
+    args: list[Any] | tuple[Any, ...] | None,
+    kwargs: dict[str, Any] | None,
+) -> tuple[StagedRun, dict[str, str], dict[str, str]]:
+    """Every check that can fail before anything starts, then the staged work; returns the staged
+    run, the Spark properties and spark-submit's environment (what :func:`plan_staged` takes)."""
+    if target.is_connect:  # no spark-submit, no JVM here: the server's cluster runs the job
+        check_connect_run(spec, target, train_object)
+        props, env = {}, dict(spec.env_vars)
+        slot_timeout = spec.slot_timeout
+    else:
+        environ = {**os.environ, **submit_environment(spec, target, {})}
+        props = spark_properties(spec, target, spark_home(target, environ), environ)
+        check_gpu_conf(spec, target, props)
+        env = submit_environment(spec, target, props)
+        check_spark_binary(target.spark_binary, {**os.environ, **env}.get("PATH"))
+        check_master_reachable(target.master, spec.conn_id)
+        slot_timeout = check_cluster_capacity(spec, target, log)
+    check_checkpoint_dir(spec.checkpoint_dir)
+    rank_env = dict(spec.rank_env)
+    if spec.checkpoint_dir:
+        rank_env[CHECKPOINT_ENV] = str(spec.checkpoint_dir)
+    staged = stage_run(
+        train_object,
+        check_args(args, "args", list),
+        check_args(kwargs, "kwargs", dict),
+        base_dir=spec.staging_dir,
+        training=spec,
+        slot_timeout=slot_timeout,
+        rank_env=rank_env,
+    )
+    return staged, props, env
+
+
+def plan_staged(
+    spec: TrainingSpec, target: SparkTarget, staged: StagedRun, props: dict[str, str], env: dict[str, str]
+) -> tuple[FastStart, SubmitPlan]:
+    """The staged run's fast JVM start and spark-submit plan (the user's ``py_files`` staged too;
+    a module-mode run that trains on this machine checked to be importable)."""
+    user_py_files = stage_py_files(spec.py_files, staged.dir)
+    other_python = {"PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON"} & set(spec.env_vars) or {
+        "spark.pyspark.python",
+        "spark.pyspark.driver.python",
+    } & set(spec.conf)
+    if (target.embedded or spec.local_mode) and not other_python:
+        check_torch_here(
+            "local mode trains on this machine"
+            if spec.local_mode
+            else "the embedded master's executors run here"
+        )
+        if staged.spec.kind == "module":
+            check_module_importable(staged.spec.entry, user_py_files)
+    fast = plan_fast_start(spec, target, {**os.environ, **env}, props)
+    plan = build_plan(
+        spec,
+        target,
+        application=str(staged.driver_path),
+        application_args=[str(staged.spec_path)],
+        files=staged.files,
+        py_files=[staged.py_files, *user_py_files],
+        properties=props,
+        properties_dir=staged.dir,
+        env={**env, **fast.env},
+    )
+    return fast, plan

@@ -1,0 +1,122 @@
+"""A run's address, as Airflow keeps it between tries: the record in ``task_state_store``.
+
+A durable or deferred run outlives the task process that started it. What a later owner (a retry,
+a trigger, ``execute_complete``) needs to find it goes in the record: the run id and the address of
+its supervisor; over Spark Connect, also the Connect session the run's job goes to (from its
+start) and, once the job runs, its operation id: with them a retry that finds the supervisor gone
+interrupts the job it left on the server. No secret does: the owner's credential is derived from the run id with the
+deployment's output signing key (:func:`owner_secret`), which every worker and triggerer of the
+deployment holds already, so the record, trigger kwargs and the state store hold nothing to steal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from airflow_provider_torchdist import __version__
+from airflow_provider_torchdist.errors import InvalidTrainingConfig
+from airflow_provider_torchdist.spark.wire.protocol import canonical_uuid, connect_operation, split_operation
+
+RECORD_KEY = "torchdist_run"
+RECORD_VERSION = 1
+#: Set only for a Spark Connect run: the session from its start, the operation once its job reports
+#: (absent from records of earlier releases).
+CONNECT_FIELDS = frozenset({"connect_session_id", "connect_operation_id"})
+#: The latest deadline a record may hold: the end of year 9999 (seconds since the epoch), the last
+#: moment a datetime can say; a larger one is not ours.
+LATEST_DEADLINE = 253402300799.0
+#: Fields a record of an earlier release may lack.
+OPTIONAL_FIELDS = CONNECT_FIELDS | {"deadline", "max_tries"}
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """Where a live run is, and how long it waits for an owner (see the module docstring)."""
+
+    run_id: str
+    host: str
+    port: int
+    durable: bool
+    reattach_timeout: float
+    version: int = RECORD_VERSION
+    provider_version: str = __version__
+    connect_session_id: str | None = None
+    connect_operation_id: str | None = None
+    #: When the task's ``execution_timeout`` ends the run (seconds since the epoch), None without
+    #: one: set from the try that started the run, so that a try resumed after a deferral, or a
+    #: durable retry that takes the run over, gets what is left of it, not a fresh timeout.
+    deadline: float | None = None
+    #: The task instance's ``max_tries`` when the run started, None when unknown. Airflow raises it
+    #: when a user clears the task: a later try that finds a higher one was asked for a new run,
+    #: not for this one.
+    max_tries: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_operation(self, operation: str) -> RunRecord:
+        """This record with the run's Spark Connect operation (``<session id>/<operation id>``)."""
+        ids = split_operation(operation)
+        if ids is None:
+            raise ValueError(f"{operation!r} is not a Spark Connect operation")
+        return replace(self, connect_session_id=ids[0], connect_operation_id=ids[1])
+
+    def with_session(self, session_id: str) -> RunRecord:
+        """This record with the Spark Connect session the run's job goes to (no operation yet)."""
+        if canonical_uuid(session_id) is None:
+            raise ValueError(f"{session_id!r} is not a Spark Connect session id")
+        return replace(self, connect_session_id=session_id, connect_operation_id=None)
+
+    @property
+    def connect_operation(self) -> str | None:
+        """The run's Spark Connect operation as :func:`with_operation` took it, or None."""
+        if self.connect_session_id is None or self.connect_operation_id is None:
+            return None
+        return connect_operation(self.connect_session_id, self.connect_operation_id)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RunRecord:
+        """A record as :meth:`to_dict` stored it; refused, saying why, when it is not one of ours."""
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or not names - OPTIONAL_FIELDS <= set(data):
+            raise InvalidTrainingConfig(
+                f"The task's stored run record {data!r} is not one this provider wrote (fields {sorted(names)} "
+                "expected). Clear the task's state (task_state_store key 'torchdist_run') to start afresh."
+            )
+        if data["version"] != RECORD_VERSION:
+            raise InvalidTrainingConfig(
+                f"The task's stored run record has version {data['version']!r}, written by "
+                f"airflow-provider-torchdist {data.get('provider_version')!r}; this is {__version__} "
+                f"(record version {RECORD_VERSION}), which cannot reattach to it. Clear the task's state "
+                "(task_state_store key 'torchdist_run'), or finish the run with the version that started it."
+            )
+        record = cls(**{name: data[name] for name in names if name in data})
+        checks = (
+            isinstance(record.run_id, str) and record.run_id,
+            isinstance(record.host, str) and record.host,
+            type(record.port) is int and 0 < record.port < 65536,
+            type(record.durable) is bool,
+            type(record.reattach_timeout) in (int, float) and record.reattach_timeout > 0,
+            canonical_uuid(record.connect_session_id) is not None
+            if record.connect_session_id is not None
+            else record.connect_operation_id is None,
+            record.connect_operation_id is None or canonical_uuid(record.connect_operation_id) is not None,
+            record.deadline is None
+            or (type(record.deadline) in (int, float) and 0 < record.deadline <= LATEST_DEADLINE),
+            record.max_tries is None or (type(record.max_tries) is int and record.max_tries >= 0),
+        )
+        if not all(checks):
+            raise InvalidTrainingConfig(f"The task's stored run record {data!r} is malformed; clear it.")
+        return record
+
+
+def owner_secret(run_id: str, key: bytes | None = None) -> bytes:
+    """The credential of the run's owners: HMAC-SHA256 of the run id under the signing key."""
+    if key is None:
+        from airflow_provider_torchdist.outputs.signing import signing_key
+
+        key = signing_key()
+    return hmac.new(key, b"torchdist-owner:" + run_id.encode(), hashlib.sha256).digest()

@@ -1,0 +1,200 @@
+"""``RunSupervisor``: the supervisor of one run, without the process around it.
+
+It listens for owners on the lifeline, runs spark-submit and follows the driver, keeps the run's
+state for its owners, and tears it all down. Its rules for owners are in
+:class:`~airflow_provider_torchdist.supervision.owners.OwnerRules`; what it runs, and how it reads
+the verdict, in :mod:`~airflow_provider_torchdist.supervision.submission`. The process that holds it is
+:mod:`~airflow_provider_torchdist.supervision.supervisor` (whose docstring tells the whole life of a run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_torchdist.spark.wire.private_files import write_private_text
+from airflow_provider_torchdist.supervision.config import EXIT_OK, SupervisorConfig, log, read_plan_text
+from airflow_provider_torchdist.supervision.lifeline import (
+    OWNER_SILENCE_S,
+    PING_INTERVAL_S,
+    LifelineServer,
+    RunState,
+)
+from airflow_provider_torchdist.supervision.lock import RunLock
+from airflow_provider_torchdist.supervision.owners import OwnerRules
+from airflow_provider_torchdist.supervision.submission import (
+    RunProcess,
+    end_process,
+    failure_summary,
+    run_verdict,
+    submission_of,
+)
+from airflow_provider_torchdist.supervision.sweep import ADDRESS_FILE
+
+
+class RunSupervisor(OwnerRules):
+    """The supervisor of one run (see :mod:`~airflow_provider_torchdist.supervision.supervisor`), without the
+    process around it.
+
+    ``make_run`` makes what runs (default: the plan's :class:`Submission`); ``follow=False`` skips
+    following the driver (a test feeds ``state`` itself). Example::
+
+        supervisor = RunSupervisor(staging, config, make_run=lambda: FakeRun())
+        supervisor.listen()          # binds, writes supervisor.addr
+        code = supervisor.serve()    # runs it, owns it, tears it down; returns the exit code
+    """
+
+    def __init__(
+        self,
+        staging_dir: Path,
+        config: SupervisorConfig,
+        *,
+        plan_text: str | None = None,
+        lock: RunLock | None = None,
+        make_run: Callable[[], RunProcess] | None = None,
+        follow: bool = True,
+        silence_s: float = OWNER_SILENCE_S,
+        ping_interval: float = PING_INTERVAL_S,
+    ) -> None:
+        super().__init__(config, RunState(), silence_s)
+        self.staging_dir = staging_dir
+        self.server: LifelineServer | None = None
+        self.process: RunProcess | None = None
+        self._lock_file = lock
+        if make_run is None:
+            text = plan_text if plan_text is not None else read_plan_text(staging_dir)
+            make_run = lambda: submission_of(staging_dir, text, self.state.add_line)  # noqa: E731
+        self._make_run = make_run
+        self._follow = follow
+        self._follower: Any = None
+        self._ping_interval = ping_interval
+        self._tearing_down = False
+        self._run_thread = threading.Thread(target=self._run, name="torchdist-run", daemon=True)
+
+    # -- start
+
+    def listen(self) -> tuple[str, int]:
+        """Bind the lifeline and publish its address (``supervisor.addr``); owners may connect now."""
+        config = self.config
+        self.server = LifelineServer(
+            config.run_id,
+            config.owner_secret,
+            config.bind_host,
+            self.state,
+            self,
+            silence_s=self._silence_s,
+            ping_interval=self._ping_interval,
+        )
+        host, port = self.server.address
+        if host in ("0.0.0.0", "::"):  # listening everywhere: owners need a name for this machine
+            host = socket.getfqdn()
+        write_private_text(
+            self.staging_dir / ADDRESS_FILE, json.dumps({"host": host, "port": port, "pid": os.getpid()})
+        )
+        with self._cond:
+            self._wait_for_owner(self._first_owner_wait())
+        self.server.start()
+        log(f"run {config.run_id}: the lifeline listens on {host}:{port}")
+        return host, port
+
+    def serve(self) -> int:
+        """Run spark-submit and own the run until it is torn down; returns the exit code (0)."""
+        if self.server is None:
+            self.listen()
+        self._run_thread.start()
+        self.teardown(self._await_reason())
+        return EXIT_OK
+
+    # -- the run
+
+    def _run(self) -> None:
+        submit_error: BaseException | None = None
+        try:
+            if self._follow:
+                self._start_follower()
+            try:
+                process = self._make_run()
+            except Exception as exc:
+                log(f"cannot start spark-submit: {exc!r}")
+                self._finish("failed", error=f"The run's supervisor could not start spark-submit: {exc}")
+                return
+            with self._cond:
+                if self._tearing_down:
+                    return
+                self.process = process
+            self.state.set_running()
+            log("spark-submit starts")
+            try:
+                process.run()
+            except Exception as exc:  # AirflowException: spark-submit failed
+                submit_error = exc
+            log(f"spark-submit ended{f': {submit_error}' if submit_error else ''}")
+        finally:
+            if self._follower is not None:
+                self._follower.stop()
+        self._conclude(submit_error)
+
+    def _start_follower(self) -> None:
+        from airflow_provider_torchdist.spark.driver.owner import write_owner_token
+        from airflow_provider_torchdist.submit.follow import RunFollower
+
+        self._follower = RunFollower(
+            self.staging_dir,
+            write_owner_token(self.staging_dir),
+            on_line=self.state.add_line,
+            on_application=self.state.set_application,
+            on_metric=self.state.add_metric,
+        )
+        self._follower.start()
+
+    def _conclude(self, submit_error: BaseException | None) -> None:
+        """spark-submit has ended: the run's verdict, as ``hook.run()`` would give it."""
+        with self._cond:
+            if self._tearing_down:
+                return  # the teardown ended it, and said why
+        state, details = run_verdict(self.staging_dir, self.config.output_file, submit_error)
+        self._finish(state, **details)
+
+    def _finish(self, state: str, **details: Any) -> None:
+        if self.state.finish(state, **details):
+            status = self.state.status()
+            summary = "; ".join(filter(None, [status.error, *(failure_summary(f) for f in status.failures)]))
+            log(f"the run {state}{f': {summary}' if summary else ''}")
+        with self._cond:
+            if self._owner is None and self._deadline is None:
+                self._wait_for_owner(self.config.reattach_timeout)
+            self._cond.notify_all()
+
+    # -- teardown
+
+    def teardown(self, reason: str | None = None) -> None:
+        """End everything of the run and remove its traces; idempotent."""
+        with self._cond:
+            if self._tearing_down:
+                return
+            self._tearing_down = True
+            self._request(reason or "torn down")
+            reason, run_error = self._reason, self._run_error
+            process = self.process
+            self._cond.notify_all()
+        log(f"tearing down: {reason}")
+        if self.server is not None:
+            self.server.stop_accepting()  # a new owner now finds nothing: the run is gone
+        if not self.state.ended:
+            self.state.finish("failed", error=run_error or f"The run was torn down before it ended: {reason}")
+        if process is not None:
+            end_process(process, self._run_thread)
+        if self._follower is not None:
+            self._follower.stop()
+        if self.server is not None:
+            self.server.close(f"run {self.run_id} was torn down: {reason}")
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
+        if self._lock_file is not None:
+            self._lock_file.release()
+        log("torn down")

@@ -1,0 +1,152 @@
+"""What the run's supervisor runs, the verdict it reads when spark-submit ends, and how it ends it.
+
+:class:`RunProcess` is spark-submit as the supervisor sees it (the plan's
+:class:`~airflow_provider_torchdist.submit.plan.Submission`, from :func:`submission_of`, or a test's
+stand-in); :func:`run_verdict` turns what the driver left in the staging directory into the run's
+end state, as ``hook.run()`` would judge it; :func:`end_process` stops spark-submit and every
+process of its session at teardown. The Spark provider (and so Airflow) is imported only when the
+real submission is made, never at the supervisor's start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from airflow_provider_torchdist.supervision.config import PLAN_FILE, log
+
+#: How the driver's own lines start; they come over the run channel (not forwarded twice).
+DRIVER_PREFIX = "[torchdist] "
+#: How long teardown waits for spark-submit's thread once its session is being ended.
+KILL_WAIT_S = 30.0
+
+
+class RunProcess(Protocol):
+    """What the supervisor runs: :class:`~airflow_provider_torchdist.submit.plan.Submission`, or a
+    test's stand-in. ``run`` blocks until spark-submit ends (raising when it failed); ``kill`` may
+    come from another thread; ``session`` is spark-submit's session id once known."""
+
+    session: int | None
+
+    def run(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def submission_of(
+    staging_dir: Path, plan_text: str, on_line: Callable[[str], Any] | None = None
+) -> RunProcess:
+    """The real run: ``plan.json`` through ``SparkSubmitHook`` (imports the Spark provider).
+    ``on_line``: where this process's log lines go besides its log file (:func:`forward_logs`)."""
+    from airflow_provider_torchdist.submit.connect import submission_for
+    from airflow_provider_torchdist.submit.plan import SubmitPlan
+
+    data = json.loads(plan_text)
+    names = {f.name for f in dataclasses.fields(SubmitPlan)}
+    if set(data) != names:
+        raise ValueError(f"{PLAN_FILE} must hold exactly {sorted(names)}, got {sorted(data)}")
+    if on_line is not None:
+        forward_logs(on_line)
+    return submission_for(SubmitPlan.from_json(plan_text))
+
+
+def forward_logs(on_line: Callable[[str], Any]) -> None:
+    """Hand every log line of this process (``SparkSubmitHook``'s lines of spark-submit's output
+    above all: a JVM's error before the driver starts, the cluster's answer) to ``on_line`` as well,
+    escaped, so that the run's owners see in the task log what ``hook.run()`` shows there.
+
+    Only for the supervisor's own process, once Airflow's logging is configured (the Spark provider
+    is imported): one processor added, before the renderer, through structlog's public configure.
+    """
+    import structlog
+
+    from airflow_provider_torchdist.spark.wire.logsafe import escape_controls
+
+    def to_owners(logger: Any, method_name: str, event_dict: Any) -> Any:
+        event = event_dict.get("event") if isinstance(event_dict, dict) else None
+        # The driver's own "[torchdist] ..." lines reach the owners over the run channel already.
+        if event is not None and not str(event).startswith(DRIVER_PREFIX):
+            on_line(escape_controls(str(event)))
+        return event_dict
+
+    processors = list(structlog.get_config()["processors"])
+    structlog.configure(processors=[*processors[:-1], to_owners, *processors[-1:]])
+
+
+def run_verdict(
+    staging_dir: Path, output_file: Path | None, submit_error: BaseException | None
+) -> tuple[str, dict[str, Any]]:
+    """spark-submit has ended: the run's end state and its details (for ``RunState.finish``), as
+    ``hook.run()`` would judge it. ``output_file`` is rank 0's output file (None for a script)."""
+    from airflow_provider_torchdist.spark.wire.outcome import Outcome
+    from airflow_provider_torchdist.spark.wire.output_store import OutputManifest
+
+    try:
+        outcome = Outcome.read(staging_dir)
+    except (OSError, ValueError, TypeError) as exc:
+        outcome, submit_error = None, submit_error or exc
+    if outcome is None:
+        return "failed", {
+            "error": f"The Spark application ended before the training driver reported an outcome: {submit_error}",
+            "metrics": [],
+        }
+    # What every verdict carries from the outcome, succeeded or failed.
+    seen = {"metrics": outcome.metrics, "world_sizes": outcome.world_sizes}
+    if not outcome.ok:
+        failures = [dataclasses.asdict(f) for f in outcome.failures]
+        return "failed", {"error": outcome.error, "error_kind": "training", "failures": failures, **seen}
+    if output_file is None:
+        return "succeeded", seen
+    manifest = OutputManifest.read(output_file)
+    if manifest is None:
+        error = (
+            f"Training succeeded but rank 0's output at {output_file} has no valid manifest from the driver; it is not used."
+            if output_file.exists()
+            else "Training succeeded but rank 0's return value never reached the driver."
+        )
+        return "failed", {"error": error, **seen}
+    output = {
+        "format": manifest.format,
+        "type": manifest.type,
+        "size": manifest.size,
+        "sha256": manifest.sha256,
+    }
+    return "succeeded", {**seen, "output": output, "output_path": output_file}
+
+
+def failure_summary(failure: dict[str, Any]) -> str:
+    """One failed rank (as the run's status holds it) in a line of the supervisor's log."""
+    from airflow_provider_torchdist.spark.wire.outcome import RankFailure
+
+    try:
+        return RankFailure(**failure).summary()
+    except TypeError:
+        return str(failure)
+
+
+def end_process(process: RunProcess, run_thread: threading.Thread) -> None:
+    """Stop spark-submit (``run_thread`` runs it) and end every process of its session."""
+    from airflow_provider_torchdist.supervision.processes import end_session
+
+    if run_thread.is_alive():  # still running: stop it (and a cluster-side application)
+        try:
+            process.kill()
+        except Exception as exc:  # a failing cluster-side kill must not keep local processes alive
+            log(f"spark-submit's kill failed: {exc!r}")
+    deadline = time.monotonic() + KILL_WAIT_S
+    # spark-submit may only just be starting: end its session until its thread has returned.
+    while run_thread.is_alive() and time.monotonic() < deadline:
+        if process.session is not None:
+            end_session(process.session, grace=5.0)
+        run_thread.join(0.05)
+    if process.session is not None:
+        left = end_session(process.session, grace=5.0)
+        if left:
+            log(f"processes of spark-submit's session {process.session} still alive: {left}")
+    if run_thread.is_alive():
+        log(f"spark-submit's thread did not return within {KILL_WAIT_S:g} s")

@@ -1,0 +1,126 @@
+"""Remove what dead runs left in the temp directory: staging directories and torchrun agents' logs.
+
+A run's supervisor removes its staging directory when it tears the run down, and a torchrun agent
+its log directory when it returns. A process killed with SIGKILL (or a machine that lost power)
+does neither. Each supervisor therefore sweeps at start, removing only what provably belongs to a
+dead process of this user:
+
+- ``torchdist-<random>`` staging directories of supervised runs: those whose supervisor (the
+  ``pid`` of ``supervisor.addr``) is dead, and those without ``supervisor.addr`` whose
+  ``supervisor.json`` is older than ``STALE_AFTER_S`` (the supervisor died before it listened; the
+  task waits for that one minute at most). A staging directory without ``supervisor.json`` is an
+  in-process run's (``hook.run()``), which may train for hours with nothing to tell it is alive:
+  it is never touched.
+- ``torchdist-agent-<pid>-<random>`` directories whose agent process ``pid`` is dead, and
+  ``torchdist-data-<pid>-<random>`` ones (a node's ``train_data`` shards) whose task's is.
+
+Only real directories (no symlinks) owned by this user are considered. Example::
+
+    removed = sweep_stale([Path(tempfile.gettempdir()), Path("/data/staging")])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from airflow_provider_torchdist.supervision.processes import command_line, is_alive
+
+#: In a supervised run's staging directory: the supervisor's settings, written by the task before
+#: the supervisor starts (so a staging directory that has it is a supervised run's).
+SUPERVISOR_FILE = "supervisor.json"
+#: ... and ``{"host", "port", "pid"}``, written by the supervisor once its lifeline listens.
+ADDRESS_FILE = "supervisor.addr"
+#: The supervisor's module: a live ``pid`` whose command line does not name it is a recycled PID.
+SUPERVISOR_MODULE = "airflow_provider_torchdist.supervision.supervisor"
+#: Where the supervisor's module was in earlier releases: a run started by one, still live
+#: after an upgrade, is still recognised (its directory is not stale).
+EARLIER_SUPERVISOR_MODULES = ("airflow_provider_torchdist.supervisor ",)
+#: A supervised staging directory without an address this old is a supervisor that died starting.
+STALE_AFTER_S = 600.0
+STAGING_PREFIX = "torchdist-"
+AGENT_PREFIX = "torchdist-agent-"
+_AGENT_DIR = re.compile(r"torchdist-(?:agent|data)-(\d+)-.+")
+
+
+def sweep_stale(
+    bases: str | os.PathLike[str] | Iterable[str | os.PathLike[str]] | None = None,
+    *,
+    now: float | None = None,
+) -> list[Path]:
+    """Remove this user's stale run directories directly in ``bases`` (default: the temp
+    directory); returns what was removed. Never raises for a directory it cannot read or remove."""
+    if bases is None:
+        bases = [tempfile.gettempdir()]
+    elif isinstance(bases, (str, os.PathLike)):
+        bases = [bases]
+    now = time.time() if now is None else now
+    uid = os.getuid()
+    removed: list[Path] = []
+    seen: set[str] = set()
+    for base in bases:
+        real = os.path.realpath(base)
+        if real in seen:
+            continue
+        seen.add(real)
+        try:
+            entries = [e for e in os.scandir(real) if e.name.startswith(STAGING_PREFIX)]
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+                continue
+            path = Path(real, entry.name)
+            if is_stale(path, now):
+                shutil.rmtree(path, ignore_errors=True)
+                if not os.path.lexists(path):
+                    removed.append(path)
+    return removed
+
+
+def is_stale(path: Path, now: float | None = None) -> bool:
+    """Whether the run directory ``path`` (a staging or agent directory) belongs to a dead process."""
+    now = time.time() if now is None else now
+    name = path.name
+    agent = _AGENT_DIR.fullmatch(name)
+    if agent:
+        return not is_alive(int(agent.group(1)))
+    if name.startswith(AGENT_PREFIX):
+        return False  # an agent directory of an older version: nothing tells whether it is live
+    pid = _supervisor_pid(path / ADDRESS_FILE)
+    if pid is not None:
+        return not _supervisor_alive(pid)
+    try:
+        config = os.lstat(path / SUPERVISOR_FILE)
+    except OSError:
+        return False  # an in-process run's, or not a run's at all
+    return stat.S_ISREG(config.st_mode) and now - config.st_mtime > STALE_AFTER_S
+
+
+def _supervisor_pid(address: Path) -> int | None:
+    try:
+        fd = os.open(address, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as f:
+            pid = json.load(f).get("pid")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return pid if type(pid) is int and pid > 0 else None
+
+
+def _supervisor_alive(pid: int) -> bool:
+    if not is_alive(pid):
+        return False
+    cmd = command_line(pid)
+    # An unreadable command line is taken for the supervisor: never remove a live run's directory.
+    return not cmd or SUPERVISOR_MODULE in cmd or any(old in cmd for old in EARLIER_SUPERVISOR_MODULES)
