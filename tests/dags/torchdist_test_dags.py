@@ -110,10 +110,11 @@ def sleep_long() -> None:
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    # The marker comes first: a rank still in its rendezvous is as much a process to kill.
     markers = Path(os.environ["AIRFLOW_HOME"], "sleepers")
     markers.mkdir(exist_ok=True)
     (markers / str(os.getpid())).touch()
+    dist.init_process_group("gloo")
     time.sleep(600)
 
 
@@ -145,7 +146,8 @@ def timeout():
         train_object=sleep_long,
         num_processes=2,
         local_mode=False,
-        execution_timeout=timedelta(seconds=25),
+        # Long enough for both ranks to start on a loaded 2-core CI machine (25 s was not).
+        execution_timeout=timedelta(seconds=60),
     )
 
 

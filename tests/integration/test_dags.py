@@ -147,7 +147,9 @@ def test_execution_timeout_kills_every_process(dag_runs: tuple[dict, Path, str])
     assert states["torchdist_e2e_timeout"]["state"] == "failed"
     assert _task_tries(db, "torchdist_e2e_timeout")["train"][0] == "failed"
     assert "Timeout" in output or "timed out" in output
-    sleepers = list((db.parent / "sleepers").iterdir())
+    markers = db.parent / "sleepers"
+    assert markers.is_dir(), "no rank started before the execution_timeout: the test proved nothing"
+    sleepers = list(markers.iterdir())
     assert len(sleepers) == 2  # both ranks were running when the timeout hit
     for marker in sleepers:
         assert not Path(f"/proc/{marker.name}").exists(), f"rank process {marker.name} outlived the timeout"

@@ -55,10 +55,10 @@ def _venv(path: Path) -> Path:
 def _pip_install(
     python: Path, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> None:
-    # --no-compile: the same distributions and files, without compiling 17,000 modules at install
-    # time that Python compiles on import anyway (most of a fresh install's time here).
+    # pip's defaults, as a user runs it (bytecode compiled at install: with PYTHONDONTWRITEBYTECODE
+    # set, as on CI, every process of the example run would otherwise compile from source).
     done = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check", *args],
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
         cwd=cwd,
         env=env,
         capture_output=True,
