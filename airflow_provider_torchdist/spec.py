@@ -7,8 +7,9 @@ DAG is parsed); the hook takes the spec and plans the run from it; the Spark sid
 :class:`~airflow_provider_torchdist.spark.wire.jobspec.JobSpec`, less the settings only ``spark-submit``
 needs.
 
-Adding a setting means: a field here (default, template flag, docs, check), its use, its docs in
-the README, its tests. The operator's and hook's signatures, template fields and docstrings follow.
+Adding a setting means: a field here (default, template flag, docs, check), its use, its row in
+docs/reference.md, its tests (docs/contributing.md says where each goes). The operator's and hook's signatures,
+template fields and docstrings follow.
 
 Standard library only: the Spark side imports this module too. The checks, which raise Airflow's
 exceptions, are :mod:`~airflow_provider_torchdist.submit.checks`'s; a spec is built through them.

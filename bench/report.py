@@ -260,7 +260,7 @@ LAUNCH_SETTINGS = [
     "- **Shutdown.** The run channel polls for shutdown every 20 ms instead of 0.5 s; `sc.stop()` no longer "
     "waits for the 0.5 s poll of PySpark's accumulator server (one of the two named PySpark seams, "
     "`spark/driver.py::release_accumulator_server`, checked against PySpark's source by "
-    "`tests/unit/test_spark_seams.py`). The driver ends with a normal `sys.exit`: the earlier `os._exit` and "
+    "`tests/unit/spark/driver/test_scheduler_identity.py`). The driver ends with a normal `sys.exit`: the earlier `os._exit` and "
     "`SPARK_HOME` tricks saved less than 0.5 s when measured again and were removed.",
     "- **Kept:** torchrun's elastic agent in-process (restarts, error files, its worker environment), the "
     "Spark UI (the operator links to it; the `ui_off` profile variant shows what turning it off would save).",

@@ -741,7 +741,7 @@ def test_distinct_ids_give_distinct_paths() -> None:
 
 
 def test_envelope_from_another_deployment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from tests.unit.test_results import to_xcom
+    from tests.unit.outputs.test_results import to_xcom
 
     monkeypatch.setenv("AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY", "deployment-a" * 3)
     envelope = to_xcom(torch.arange(3), tmp_path)

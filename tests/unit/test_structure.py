@@ -169,3 +169,27 @@ def test_the_size_check_takes_a_reason(tmp_path: Path, reason: bool) -> None:
     module = tmp_path / "probe.py"
     module.write_text((f"{SIZE_REASON} a probe\n" if reason else "") + f"def f():\n{body}\n")
     assert (_oversized(module, tmp_path) == []) is reason
+
+
+#: Unit test files at ``tests/unit/``'s root that test no single root module: the whole package.
+WHOLE_PACKAGE_TESTS = {"test_bad_input.py", "test_import_graph.py", "test_structure.py"}
+#: Folders under ``tests/unit`` that mirror no subpackage: the docs' own checks.
+NOT_PACKAGE_TESTS = {"docs"}
+
+
+def test_unit_tests_mirror_the_package() -> None:
+    """``tests/unit/<subpackage>/test_<module>.py``: a test folder is a subpackage's, and a test at the
+    root tests a root module (or the whole package)."""
+    tests = ROOT.parent / "tests" / "unit"
+    misplaced = []
+    for path in sorted(tests.rglob("test_*.py")):
+        folder = path.parent.relative_to(tests)
+        if folder.parts and folder.parts[0] in NOT_PACKAGE_TESTS:
+            continue
+        if folder.parts and not (ROOT / folder / "__init__.py").exists():
+            misplaced.append(f"{path.relative_to(tests)}: no subpackage {folder}")
+        elif not folder.parts and path.name not in WHOLE_PACKAGE_TESTS:
+            module = path.stem.removeprefix("test_")
+            if not (ROOT / f"{module}.py").exists():
+                misplaced.append(f"{path.name}: no root module {module}.py")
+    assert misplaced == [], "unit tests go in tests/unit/<subpackage>/test_<module>.py"

@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOC = ROOT / "docs" / "airflow-features.md"
 #: "``...::name``" in the table is short for this module.
 SHORT = "integration/test_airflow_features.py"

@@ -100,7 +100,7 @@ def test_torchdist_spark_connection_resolves_like_a_spark_one(monkeypatch) -> No
     assert hook.target.master_web_ui == "http://spark-master.example.com:8080"
     assert not hook.embedded
     # Handed on as the "spark" connection it mirrors: the Spark provider builds master URLs for
-    # that type only (tests/unit/test_submit_plan.py checks the provider reads the same master).
+    # that type only (tests/unit/submit/test_plan.py checks the provider reads the same master).
     assert hook.target.connection == {
         "conn_type": "spark",
         "host": "spark://spark-master.example.com",

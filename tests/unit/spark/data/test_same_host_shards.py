@@ -26,7 +26,7 @@ from airflow_provider_torchdist.spark.data.same_host_shards import (
 )
 from airflow_provider_torchdist.spark.data.shard_files import ShardWriter
 from airflow_provider_torchdist.spark.data.shard_plan import ShardPlan, TrainDataError
-from tests.unit.test_rank_data import mapped_ranges
+from tests.unit.spark.data.test_rank_data import mapped_ranges
 
 SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float32())])
 

@@ -7,7 +7,7 @@ import io
 from airflow_provider_torchdist.spark.driver.owner import write_channel_address, write_owner_token
 from airflow_provider_torchdist.submit.follow import RunFollower
 from tests.unit.conftest import wait_until
-from tests.unit.test_channel_owner import make_channel, rank_of
+from tests.unit.spark.driver.test_owner import make_channel, rank_of
 
 
 def _follow(tmp_path):

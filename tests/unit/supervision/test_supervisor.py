@@ -462,7 +462,7 @@ HANGING_SPARK_SUBMIT = (
 SUCCEEDING_SPARK_SUBMIT = f"""#!{sys.executable}
 import os, sys
 from pathlib import Path
-sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+sys.path.insert(0, {str(Path(__file__).parents[3])!r})
 from tests.unit.conftest import publish_value
 from airflow_provider_torchdist.spark.wire.outcome import Outcome
 staging = Path(sys.argv[-1]).parent

@@ -26,7 +26,7 @@ from airflow_provider_torchdist.outputs.results import (
     output_origin,
 )
 from airflow_provider_torchdist.outputs.signing import SigningKeyError, sign
-from tests.unit.test_results import ORIGIN, to_xcom
+from tests.unit.outputs.test_results import ORIGIN, to_xcom
 
 
 class _Payload:
