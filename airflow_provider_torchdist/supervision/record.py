@@ -18,7 +18,11 @@ from typing import Any
 
 from airflow_provider_torchdist import __version__
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.spark.wire.protocol import canonical_uuid, connect_operation, split_operation
+from airflow_provider_torchdist.spark.wire.connect_ids import (
+    canonical_uuid,
+    connect_operation,
+    split_operation,
+)
 
 RECORD_KEY = "torchdist_run"
 RECORD_VERSION = 1

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
-from airflow_provider_torchdist.spark.wire.protocol import split_operation
+from airflow_provider_torchdist.spark.wire.connect_ids import split_operation
 from airflow_provider_torchdist.supervision.lifeline import query_status
 from airflow_provider_torchdist.supervision.record import owner_secret
 from airflow_provider_torchdist.supervision.task_side import GONE, run_state

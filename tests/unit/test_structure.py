@@ -64,7 +64,6 @@ NOT_YET_SPLIT = {
     "airflow_provider_torchdist/spark/elastic/task.py elastic_task",
     "airflow_provider_torchdist/spark/elastic/run.py run_elastic",
     "airflow_provider_torchdist/spark/node/launcher.py launch_node",
-    "airflow_provider_torchdist/spark/wire/protocol.py",
     "airflow_provider_torchdist/spark/node/rank.py run_rank",
 }
 

@@ -41,11 +41,11 @@ from airflow_provider_torchdist.spark.driver.slots import SlotsUnavailable
 from airflow_provider_torchdist.spark.driver.spark_context import first_line
 from airflow_provider_torchdist.spark.node.network import route_address
 from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused
+from airflow_provider_torchdist.spark.wire.connect_ids import canonical_uuid, connect_operation
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spark.wire.outcome import Outcome
 from airflow_provider_torchdist.spark.wire.private_files import write_private_bytes, write_private_text
-from airflow_provider_torchdist.spark.wire.protocol import canonical_uuid, connect_operation
 
 #: The Connect server's URL (``sc://host:port/;token=...``): in the environment, since it may hold a token.
 URL_ENV = "TORCHDIST_CONNECT_URL"

@@ -1,6 +1,7 @@
 """What crosses a process or machine boundary: messages, files and their formats.
 
-The run channel's protocol and its authentication (``protocol``, ``json_lines``, ``channel_auth``),
+The run channel's messages and their authentication (``message``, the base; ``protocol``, the
+kinds; ``json_lines``, ``channel_auth``), Spark Connect's operation ids (``connect_ids``),
 the job spec the hook writes and the verdict the driver writes (``jobspec``, ``outcome``), rank 0's
 output on its way out (``output_store``), phase events, private atomic files and log escaping.
 

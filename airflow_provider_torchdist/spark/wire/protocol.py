@@ -18,55 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import uuid
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
+from airflow_provider_torchdist.spark.wire.connect_ids import split_operation
 from airflow_provider_torchdist.spark.wire.json_lines import json_object
+from airflow_provider_torchdist.spark.wire.message import Message, ProtocolError, checked_field
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
-
-
-class ProtocolError(ValueError):
-    """A message that is not one of the protocol's, or has a field of the wrong type."""
 
 
 def rank_prefix(rank: int | None, host: str | None) -> str:
     """The prefix every forwarded line carries in the task log: ``[rank 1 @ 10.0.0.2]``."""
     who = "agent" if rank is None else f"rank {rank}"
     return f"[{who} @ {host}]" if host else f"[{who}]"
-
-
-def _field(obj: dict[str, Any], kind: str, key: str, types: tuple[type, ...], optional: bool = False) -> Any:
-    """``obj[key]`` when it has one of ``types`` (never a bool for a number), else a ProtocolError."""
-    value = obj.get(key)
-    if value is None and optional:
-        return None
-    if isinstance(value, types) and not (isinstance(value, bool) and bool not in types):
-        return value
-    names = " or ".join(t.__name__ for t in types) + (" or null" if optional else "")
-    raise ProtocolError(f"{kind!r} message: field {key!r} must be {names}, got {type(value).__name__}")
-
-
-class Message:
-    """The base of every message kind: its fields go to the wire under the keys of ``SCHEMA``,
-    checked on the way in."""
-
-    KIND: ClassVar[str]
-    #: ``(attribute, wire key, JSON types, may be null)`` per field.
-    SCHEMA: ClassVar[tuple[tuple[str, str, tuple[type, ...], bool], ...]] = ()
-
-    def to_wire(self) -> dict[str, Any]:
-        return {key: getattr(self, attr) for attr, key, _, _ in self.SCHEMA}
-
-    @classmethod
-    def from_wire(cls, obj: dict[str, Any]) -> Any:
-        values = {attr: _field(obj, cls.KIND, key, types, null) for attr, key, types, null in cls.SCHEMA}
-        msg = cls(**values)
-        msg.check()
-        return msg
-
-    def check(self) -> None:
-        """Raise :class:`ProtocolError` for well-typed but impossible values."""
 
 
 _STR, _INT, _NUMBER = (str,), (int,), (int, float)
@@ -95,7 +59,9 @@ def _failure_from_wire(obj: Any, kind: str, fields: tuple[str, ...]) -> dict[str
     unknown = set(obj) - set(fields)
     if unknown:
         raise ProtocolError(f"{kind!r} message: unknown failure field(s) {sorted(unknown)}")
-    return {name: _field(obj, kind, name, _INT if name in _FAILURE_INTS else _STR, True) for name in obj}
+    return {
+        name: checked_field(obj, kind, name, _INT if name in _FAILURE_INTS else _STR, True) for name in obj
+    }
 
 
 @dataclass(frozen=True)
@@ -147,7 +113,7 @@ class AgentFailures(Message):
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> AgentFailures:
-        items = _field(obj, cls.KIND, "failures", (list,))
+        items = checked_field(obj, cls.KIND, "failures", (list,))
         fields = (_failure_from_wire(f, cls.KIND, _FAILURE_FIELDS) for f in items)
         return cls(tuple(RankFailure(**{"rank": None, **f}) for f in fields))
 
@@ -292,30 +258,6 @@ class Application(Message):
     def check(self) -> None:
         if self.operation is not None and split_operation(self.operation) is None:
             raise ProtocolError(f"'application' message: {self.operation!r} is not a Connect operation")
-
-
-def connect_operation(session_id: str, operation_id: str) -> str:
-    """A Spark Connect operation as the run's events carry it: ``<session id>/<operation id>``."""
-    return f"{session_id}/{operation_id}"
-
-
-def canonical_uuid(text: Any) -> str | None:
-    """``text`` when it is a UUID in canonical form (lowercase, hyphenated), as Spark Connect's
-    session and operation ids are; None otherwise (other spellings of a UUID included)."""
-    try:
-        return text if isinstance(text, str) and str(uuid.UUID(text)) == text else None
-    except ValueError:
-        return None
-
-
-def split_operation(text: Any) -> tuple[str, str] | None:
-    """``(session id, operation id)`` of :func:`connect_operation`'s text; None when it is not one."""
-    if not isinstance(text, str):
-        return None
-    session_id, _, operation_id = text.partition("/")
-    if canonical_uuid(session_id) is None or canonical_uuid(operation_id) is None:
-        return None
-    return session_id, operation_id
 
 
 def output_meta(msg: Output | OutputFile) -> dict[str, Any]:

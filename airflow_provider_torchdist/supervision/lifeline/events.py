@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from airflow_provider_torchdist.spark.wire.protocol import split_operation
+from airflow_provider_torchdist.spark.wire.connect_ids import split_operation
 from airflow_provider_torchdist.supervision.lifeline.messages import (
     COMMANDS,
     LifelineError,
