@@ -676,7 +676,9 @@ def render(p: Parent) -> str:
                 t = table[kind]
                 lines.append(f"{kind}: wall(result) {t['wall_result_s']}  steps/s {t['steps_per_s']}")
     lines.append("")
-    lines.append(f"PYTORCH_NVML_BASED_CUDA_CHECK for the timed launches: {res.get('PYTORCH_NVML_BASED_CUDA_CHECK')}")
+    lines.append(
+        f"PYTORCH_NVML_BASED_CUDA_CHECK for the timed launches: {res.get('PYTORCH_NVML_BASED_CUDA_CHECK')}"
+    )
     for name, value in (res.get("findings") or {}).items():
         lines.append(f"finding {name}: {value}")
     lines.append("")
@@ -717,7 +719,7 @@ def main() -> int:
     ap.add_argument(
         "--no-nvml-workaround",
         action="store_true",
-        help="launch without PYTORCH_NVML_BASED_CUDA_CHECK=1 (as shipped: ranks cannot use CUDA)",
+        help="the script sets no PYTORCH_NVML_BASED_CUDA_CHECK: the launcher, as shipped, must",
     )
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--no-gpu-resource", action="store_true", help=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
 """The hook's in-process run (``hook.run()``): spark-submit as a child of this process.
 
-:func:`submit_and_follow` runs the plan's :class:`~airflow_provider_torchdist.submit.plan.Submission`
+:func:`submit_and_follow` runs the plan's :class:`~airflow_provider_torchdist.submit.spark_submit.Submission`
 while a :class:`~airflow_provider_torchdist.submit.follow.RunFollower` follows the driver (its log
 lines and application), then reads the driver's outcome; :func:`raise_for_outcome` raises what the
 run ended with; :func:`end_submission` ends what is left of spark-submit's session. A supervised
@@ -19,7 +19,7 @@ from airflow_provider_torchdist.spark.driver.owner import write_owner_token
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.outcome import Outcome
 from airflow_provider_torchdist.submit.follow import RunFollower
-from airflow_provider_torchdist.submit.plan import Submission
+from airflow_provider_torchdist.submit.spark_submit import Submission
 from airflow_provider_torchdist.submit.staging import StagedRun
 from airflow_provider_torchdist.supervision.processes import end_session
 

@@ -43,8 +43,9 @@ from airflow_provider_torchdist.submit.connect import (
 from airflow_provider_torchdist.submit.connection import CONN_TYPE, SparkTarget, resolve_target
 from airflow_provider_torchdist.submit.fast_start import FastStart
 from airflow_provider_torchdist.submit.masking import mask_setting_secrets
-from airflow_provider_torchdist.submit.plan import Submission, SubmitPlan
+from airflow_provider_torchdist.submit.plan import SubmitPlan
 from airflow_provider_torchdist.submit.prepare import check_and_stage, plan_staged
+from airflow_provider_torchdist.submit.spark_submit import Submission
 from airflow_provider_torchdist.submit.staging import StagedRun
 from airflow_provider_torchdist.submit.validation import check_deploy_mode
 from airflow_provider_torchdist.supervision.lifeline import LifelineError, OwnerConnection, RunStatus

@@ -2,8 +2,8 @@
 
 The settings checks (``checks``, ``validation``, ``train_module``, ``masking``), the connection and
 its target (``connection``), the plan for spark-submit (``plan``, ``properties``, ``fast_start``,
-``jvm``) or for Spark Connect (``connect``), staging the callable or script with its arguments
-(``staging``, ``payload``, ``py_files``), the checks before spark-submit (``preflight``), the whole
+``jvm``), the engines that run a plan (``spark_submit``; ``connect``, for Spark Connect), staging
+the callable or script with its arguments (``staging``, ``payload``, ``py_files``), the checks before spark-submit (``preflight``), the whole
 preparation in order (``prepare``), and following the driver's channel (``follow``).
 
 It may import ``outputs``, ``spark`` and the package's core (``errors``, ``spec``, ``links``); never

@@ -3,7 +3,7 @@
 A ``spark_connect`` connection sends the run through Spark Connect: instead of ``spark-submit``
 starting a Spark driver JVM here, a Python child process
 (:mod:`~airflow_provider_torchdist.spark.connect.driver`) opens a Connect session and runs the
-barrier stage on the server's cluster. :class:`ConnectSubmission` has :class:`.plan.Submission`'s
+barrier stage on the server's cluster. :class:`ConnectSubmission` has :class:`.spark_submit.Submission`'s
 interface (``run``, ``kill``, ``session``), so the hook's in-process path and the supervisor run it
 unchanged, and the follower, the outcome file and the kill by session work as for spark-submit.
 """
@@ -29,7 +29,8 @@ from airflow_provider_torchdist.spark.connect.driver import CHANNEL_HOST_ENV, UR
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.submit.connection import CONNECT_CONN_TYPE, SparkTarget
-from airflow_provider_torchdist.submit.plan import CONNECT_CLIENT_ENV, Submission, SubmitPlan
+from airflow_provider_torchdist.submit.plan import SubmitPlan
+from airflow_provider_torchdist.submit.spark_submit import CONNECT_CLIENT_ENV, Submission
 from airflow_provider_torchdist.submit.staging import SPARK_ZIP
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """What the run's supervisor runs, the verdict it reads when spark-submit ends, and how it ends it.
 
 :class:`RunProcess` is spark-submit as the supervisor sees it (the plan's
-:class:`~airflow_provider_torchdist.submit.plan.Submission`, from :func:`submission_of`, or a test's
+:class:`~airflow_provider_torchdist.submit.spark_submit.Submission`, from :func:`submission_of`, or a test's
 stand-in); :func:`run_verdict` turns what the driver left in the staging directory into the run's
 end state, as ``hook.run()`` would judge it; :func:`end_process` stops spark-submit and every
 process of its session at teardown. The Spark provider (and so Airflow) is imported only when the
@@ -27,7 +27,7 @@ KILL_WAIT_S = 30.0
 
 
 class RunProcess(Protocol):
-    """What the supervisor runs: :class:`~airflow_provider_torchdist.submit.plan.Submission`, or a
+    """What the supervisor runs: :class:`~airflow_provider_torchdist.submit.spark_submit.Submission`, or a
     test's stand-in. ``run`` blocks until spark-submit ends (raising when it failed); ``kill`` may
     come from another thread; ``session`` is spark-submit's session id once known."""
 

@@ -15,7 +15,7 @@ and ``<staging>/plan.json`` (``SubmitPlan.to_json()``), then:
    the background;
 3. listens for owners (:mod:`~airflow_provider_torchdist.supervision.lifeline`) and writes
    ``<staging>/supervisor.addr`` = ``{"host", "port", "pid"}`` (atomic, 0600);
-4. runs spark-submit (:class:`~airflow_provider_torchdist.submit.plan.Submission`) and follows the
+4. runs spark-submit (:class:`~airflow_provider_torchdist.submit.spark_submit.Submission`) and follows the
    driver (:class:`~airflow_provider_torchdist.submit.follow.RunFollower`), keeping the last log
    lines, the application and the metrics for its owners;
 5. when spark-submit ends, reads the outcome and keeps rank 0's output until an owner releases it.

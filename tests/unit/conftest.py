@@ -162,7 +162,7 @@ def no_submit(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     applications that did (none, when the run was refused in time)."""
     from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 
-    from airflow_provider_torchdist.submit.plan import Submission
+    from airflow_provider_torchdist.submit.spark_submit import Submission
 
     started: list[str] = []
 

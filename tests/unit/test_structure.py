@@ -53,7 +53,6 @@ NOT_YET_SPLIT = {
     "airflow_provider_torchdist/hooks/torch_distributor.py",
     "airflow_provider_torchdist/operators/torch_distributor.py",
     "airflow_provider_torchdist/triggers/torch_distributor.py",
-    "airflow_provider_torchdist/submit/plan.py",
     "airflow_provider_torchdist/submit/staging.py stage_run",
     "airflow_provider_torchdist/spark/node/barrier.py barrier_task",
     "airflow_provider_torchdist/spark/driver/channel.py",

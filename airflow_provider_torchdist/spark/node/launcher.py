@@ -73,6 +73,10 @@ def elastic_launch_config(
     )
 
 
+#: torch's switch for a ``torch.cuda.is_available()`` that does not initialize CUDA (NVML's answer).
+NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
 def launch_config(
     spec: JobSpec,
     *,
@@ -90,6 +94,11 @@ def launch_config(
     node, the ``--standalone`` case), instead of every interface. An elastic run (``store``: the
     driver's rendezvous store) is :func:`elastic_launch_config`'s.
     """
+    # LaunchConfig asks torch.cuda.is_available(), which by default starts CUDA in this agent; the
+    # ranks it then forks cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess": every
+    # use_gpu=True rank failed so on an H100). torch's NVML-based check answers without starting it;
+    # the ranks inherit the setting, which only changes how that question is answered.
+    os.environ.setdefault(NVML_CUDA_CHECK, "1")
     common: dict[str, Any] = dict(
         run_id=spec.run_id,
         role="trainer",

@@ -64,7 +64,7 @@ def test_the_contributor_page_names_only_what_exists() -> None:
     assert missing == [], f"docs/contributing.md names modules that do not exist: {missing}"
     named = {
         "spec.py": ["class TrainingSpec"],
-        "submit/plan.py": ["class Submission"],
+        "submit/spark_submit.py": ["class Submission", "def run(", "def kill("],
         "submit/connect.py": ["class ConnectSubmission", "def submission_for", "def run(", "def kill("],
         "spark/node/metrics.py": ["def report("],
         "spark/data/rank_data.py": ["def rank_shard(", "def rank_batches("],

@@ -13,8 +13,9 @@ from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmit
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.submit import masking
 from airflow_provider_torchdist.submit.masking import mask_setting_secrets
-from airflow_provider_torchdist.submit.plan import SPARK_PROPERTIES_FILE, Submission, SubmitPlan
+from airflow_provider_torchdist.submit.plan import SPARK_PROPERTIES_FILE, SubmitPlan
 from airflow_provider_torchdist.submit.properties import read_properties
+from airflow_provider_torchdist.submit.spark_submit import Submission
 from tests.unit.conftest import plan_without_a_run
 
 SECRET = "s3-secret-value-0123456789"

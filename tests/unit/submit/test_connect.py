@@ -25,7 +25,7 @@ from airflow_provider_torchdist.spark.connect.driver import (
 )
 from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused
 from airflow_provider_torchdist.submit.connect import ConnectSubmission, check_connect_run, submission_for
-from airflow_provider_torchdist.submit.plan import Submission
+from airflow_provider_torchdist.submit.spark_submit import Submission
 
 
 @pytest.fixture

@@ -28,7 +28,6 @@ from airflow_provider_torchdist.submit.plan import (
     APP_CONF,
     APP_NAME,
     SPARK_PROPERTIES_FILE,
-    Submission,
     SubmitPlan,
     build_plan,
     embedded_authentication,
@@ -38,6 +37,7 @@ from airflow_provider_torchdist.submit.plan import (
     topology_conf,
 )
 from airflow_provider_torchdist.submit.properties import read_properties
+from airflow_provider_torchdist.submit.spark_submit import Submission
 
 SECRET = "plan-secret-0123456789"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -277,3 +278,28 @@ def test_an_agent_stopped_by_a_signal_says_which_and_why(monkeypatch, master, wh
     assert failure.summary().startswith(
         f"a torchrun agent on h failed: SignalException: the torchrun agent was stopped by SIGHUP: {why}"
     )
+
+
+@pytest.mark.parametrize("mode", ["local", "distributed", "elastic"])
+def test_torchruns_cuda_question_does_not_start_cuda_before_the_ranks_fork(tmp_path, monkeypatch, mode):
+    """LaunchConfig asks ``torch.cuda.is_available()``; asked the default way, it starts CUDA in the
+    agent and every forked use_gpu rank fails ("Cannot re-initialize CUDA in forked subprocess",
+    seen on an H100). It must be asked with torch's NVML-based check switched on."""
+    import torch
+
+    from airflow_provider_torchdist.spark.node.launcher import NVML_CUDA_CHECK
+
+    monkeypatch.setenv(NVML_CUDA_CHECK, "unset below, restored after")
+    monkeypatch.delenv(NVML_CUDA_CHECK)
+    asked_with = []
+    monkeypatch.setattr(
+        torch.cuda, "is_available", lambda: asked_with.append(os.environ.get(NVML_CUDA_CHECK))
+    )
+    where = {
+        "local": dict(master=None),
+        "distributed": dict(master=("10.0.0.1", 29500)),
+        "elastic": dict(master=None, store=("10.0.0.1", 29501)),
+    }[mode]
+    launch_config(_spec(use_gpu=True), node_rank=0, host="10.0.0.3", log_dir=str(tmp_path), **where)
+    assert asked_with, "LaunchConfig no longer asks torch.cuda.is_available(): this guard can go"
+    assert set(asked_with) == {"1"}
