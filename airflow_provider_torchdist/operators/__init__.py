@@ -1,6 +1,7 @@
 """The operator: renders a task's settings, orchestrates its run and publishes what it made.
 
-``torch_distributor`` is the operator (its path is Airflow's convention: keep it); ``xcom`` pushes
+``torch_distributor`` is the operator (its path is Airflow's convention: keep it), ``run_control``
+its run's control (start, reattach, defer, follow, stop); ``xcom`` pushes
 rank 0's output and the run's links and metrics, ``outlet_events`` the trained model's asset
 events, ``lineage`` the OpenLineage facets.
 

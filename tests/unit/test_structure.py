@@ -51,7 +51,6 @@ SIZE_REASON = "# size:"
 #: that is no longer over fails the test, so that it is taken off.
 NOT_YET_SPLIT = {
     "airflow_provider_torchdist/hooks/torch_distributor.py",
-    "airflow_provider_torchdist/operators/torch_distributor.py",
     "airflow_provider_torchdist/triggers/torch_distributor.py",
     "airflow_provider_torchdist/submit/staging.py stage_run",
     "airflow_provider_torchdist/spark/node/barrier.py barrier_task",

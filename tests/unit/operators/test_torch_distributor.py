@@ -304,7 +304,7 @@ def test_make_hook_with_a_context_uses_the_tasks_checkpoint_dir():
 @pytest.mark.parametrize("state, stopped", [("error", True), ("gone", False)])
 def test_execute_complete_after_a_failed_wait_fails_and_stops_a_run_still_there(monkeypatch, state, stopped):
     from airflow_provider_torchdist.errors import SparkSubmitFailed
-    from airflow_provider_torchdist.operators import torch_distributor as operator_module
+    from airflow_provider_torchdist.operators import run_control as operator_module
     from airflow_provider_torchdist.supervision.record import RunRecord
 
     record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
@@ -343,7 +343,7 @@ def test_a_task_failing_while_it_owns_the_run_stops_it_unless_a_retry_comes(monk
 def test_a_retry_that_finds_the_supervisor_gone_ends_what_the_run_left_on_a_connect_server(monkeypatch):
     from types import SimpleNamespace
 
-    from airflow_provider_torchdist.operators import torch_distributor as operator_module
+    from airflow_provider_torchdist.operators import run_control as operator_module
     from airflow_provider_torchdist.supervision.record import RunRecord
 
     record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
@@ -540,7 +540,7 @@ def test_a_run_already_past_its_deadline_is_stopped_before_it_is_followed(monkey
 
     from airflow.providers.common.compat.sdk import AirflowTaskTimeout
 
-    from airflow_provider_torchdist.operators import torch_distributor as operator_module
+    from airflow_provider_torchdist.operators import run_control as operator_module
 
     ended = []
     monkeypatch.setattr(operator_module, "end_run", lambda r, timeout: ended.append(r.run_id))
@@ -554,7 +554,7 @@ def test_a_run_already_past_its_deadline_is_stopped_before_it_is_followed(monkey
 def test_execute_complete_after_a_timeout_event_makes_sure_the_run_ended_then_times_out(monkeypatch):
     from airflow.providers.common.compat.sdk import AirflowTaskTimeout
 
-    from airflow_provider_torchdist.operators import torch_distributor as operator_module
+    from airflow_provider_torchdist.operators import run_control as operator_module
 
     record = _record(deadline=1767225600.0)
     ended = []
@@ -570,7 +570,7 @@ def test_execute_complete_after_a_timeout_event_makes_sure_the_run_ended_then_ti
 def test_airflows_own_trigger_timeout_stops_the_run_from_its_record_then_times_out(monkeypatch):
     from airflow.providers.common.compat.sdk import AirflowTaskTimeout
 
-    from airflow_provider_torchdist.operators import torch_distributor as operator_module
+    from airflow_provider_torchdist.operators import run_control as operator_module
 
     record = _record(deadline=1767225600.0)
     ended = []
@@ -710,7 +710,7 @@ def test_a_run_whose_task_was_cleared_since_it_started_is_stopped_not_reattached
 ):
     """Airflow raises max_tries when a user clears a task (a retry keeps it): a clear asks for a
     new run, even when the old one is still going (a deferred task's trigger stops it later)."""
-    from airflow_provider_torchdist.operators import torch_distributor as operator_module
+    from airflow_provider_torchdist.operators import run_control as operator_module
 
     ended = []
     monkeypatch.setattr(operator_module, "end_run", lambda r: ended.append(r.run_id))
