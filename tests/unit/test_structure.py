@@ -50,7 +50,6 @@ SIZE_REASON = "# size:"
 #: skeleton, the Connect driver, the operator's run control): the list may only shrink. An entry
 #: that is no longer over fails the test, so that it is taken off.
 NOT_YET_SPLIT = {
-    "airflow_provider_torchdist/hooks/torch_distributor.py",
     "airflow_provider_torchdist/triggers/torch_distributor.py",
     "airflow_provider_torchdist/submit/staging.py stage_run",
     "airflow_provider_torchdist/spark/node/barrier.py barrier_task",

@@ -656,7 +656,7 @@ def test_a_mapped_task_renders_and_never_calls_its_callable(partial, mapping, ex
 def test_the_hooks_stop_at_the_deadline_stops_a_run_still_going_and_nothing_ended(monkeypatch):
     import dataclasses
 
-    from airflow_provider_torchdist.hooks import torch_distributor as hook_module
+    from airflow_provider_torchdist.hooks import supervised as hook_module
     from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 
     ended = []
@@ -681,7 +681,7 @@ def test_the_hooks_stop_at_the_deadline_stops_a_run_still_going_and_nothing_ende
 def test_follow_keeps_the_lifeline_start_run_opened_when_the_record_gained_a_deadline(monkeypatch):
     import dataclasses
 
-    from airflow_provider_torchdist.hooks import torch_distributor as hook_module
+    from airflow_provider_torchdist.hooks import supervised as hook_module
     from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 
     def no_new_lifeline(*args, **kwargs):

@@ -267,7 +267,7 @@ SESSION, OPERATION = "0b8f1c57-6f0e-4a43-9d3e-2a4c1f6b9d10", "5f2d7a61-1c4b-4e8e
 
 
 def test_a_lost_runs_job_is_interrupted_in_its_recorded_session(monkeypatch, listening) -> None:
-    from airflow_provider_torchdist.hooks import torch_distributor as hook_module
+    from airflow_provider_torchdist.hooks import supervised as hook_module
     from airflow_provider_torchdist.supervision.record import RunRecord
 
     calls: list[tuple[str, str, str]] = []
