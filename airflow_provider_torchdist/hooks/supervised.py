@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow_provider_torchdist.errors import SparkSubmitFailed
-from airflow_provider_torchdist.spark.connect.driver import planned_session_id
+from airflow_provider_torchdist.spark.connect.sessions import planned_session_id
 from airflow_provider_torchdist.spec import DEFAULT_REATTACH_TIMEOUT
 from airflow_provider_torchdist.submit.connect import interrupt_lost_run
 from airflow_provider_torchdist.supervision.lifeline import LifelineError, OwnerConnection, RunStatus

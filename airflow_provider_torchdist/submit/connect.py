@@ -104,7 +104,8 @@ def interrupt_lost_run(
     ``spark.connect.execute.manager.detachedTimeout``; until then, a job still waiting for its task
     slots, or whose nodes cannot tell the driver is gone (a frozen machine), would hold the cluster.
     """
-    from airflow_provider_torchdist.spark.connect.driver import job_tag, with_session
+    from airflow_provider_torchdist.spark.connect.driver import job_tag
+    from airflow_provider_torchdist.spark.connect.sessions import with_session
 
     if remote is None:
         from pyspark.sql import SparkSession

@@ -267,7 +267,11 @@ def test_a_shared_session_the_server_closed_is_replaced(
     from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
     from pyspark.sql import SparkSession
 
-    from airflow_provider_torchdist.spark.connect.driver import session_cache, shared_session_id, with_session
+    from airflow_provider_torchdist.spark.connect.sessions import (
+        session_cache,
+        shared_session_id,
+        with_session,
+    )
 
     TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(workers_and_leak)
     url = SparkConnectHook(connect_conn).get_connection_url()  # the driver's URL, so its session's key

@@ -54,8 +54,6 @@ NOT_YET_SPLIT = {
     "airflow_provider_torchdist/submit/staging.py stage_run",
     "airflow_provider_torchdist/spark/node/barrier.py barrier_task",
     "airflow_provider_torchdist/spark/driver/channel.py",
-    "airflow_provider_torchdist/spark/connect/driver.py",
-    "airflow_provider_torchdist/spark/connect/driver.py run_connect",
     "airflow_provider_torchdist/spark/data/data_shards.py",
     "airflow_provider_torchdist/spark/app.py run_distributed",
     "airflow_provider_torchdist/spark/elastic/task.py elastic_task",

@@ -12,17 +12,9 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed
-from airflow_provider_torchdist.spark.connect.driver import (
-    ConnectVerifier,
-    SlotWatch,
-    channel_host,
-    job_tag,
-    local_slots,
-    main,
-    redact_url,
-    shared_session_id,
-    with_session,
-)
+from airflow_provider_torchdist.spark.connect.driver import channel_host, job_tag, main, redact_url
+from airflow_provider_torchdist.spark.connect.job import ConnectVerifier, SlotWatch, local_slots
+from airflow_provider_torchdist.spark.connect.sessions import shared_session_id, with_session
 from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused
 from airflow_provider_torchdist.submit.connect import ConnectSubmission, check_connect_run, submission_for
 from airflow_provider_torchdist.submit.spark_submit import Submission
@@ -362,7 +354,7 @@ def test_a_server_that_does_not_answer_fails_the_interrupt_in_bounded_time() -> 
 
 
 def test_the_planned_session_is_the_urls_own_or_the_shared_one(monkeypatch, tmp_path) -> None:
-    from airflow_provider_torchdist.spark.connect.driver import planned_session_id, session_cache
+    from airflow_provider_torchdist.spark.connect.sessions import planned_session_id, session_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     url = "sc://h:15002/;token=t"
@@ -372,7 +364,7 @@ def test_the_planned_session_is_the_urls_own_or_the_shared_one(monkeypatch, tmp_
 
 
 def test_the_operation_is_announced_once_with_the_application(tmp_path) -> None:
-    from airflow_provider_torchdist.spark.connect.driver import OperationAnnouncer
+    from airflow_provider_torchdist.spark.connect.job import OperationAnnouncer
 
     said: list[tuple] = []
     channel = type("Channel", (), {"application": lambda self, *args: said.append(args)})()
@@ -391,7 +383,7 @@ def test_the_operation_is_announced_once_with_the_application(tmp_path) -> None:
 
 
 def test_a_payload_over_the_servers_message_limit_is_refused_before_the_job_goes() -> None:
-    from airflow_provider_torchdist.spark.connect.driver import check_payload_size
+    from airflow_provider_torchdist.spark.connect.job import check_payload_size
 
     conf = type("Conf", (), {"get": lambda self, key, default=None: str(8 * 2**20)})()
     spark = type("Spark", (), {"conf": conf})()

@@ -1,0 +1,150 @@
+"""What the Connect driver checks and watches of its job: the nodes that connect to its channel
+(:class:`ConnectVerifier`), the slots the job waits for (:class:`SlotWatch`), the payload's size
+against the server's message limit, and the job's operation, told to the owner once
+(:class:`OperationAnnouncer`)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+from typing import Any
+
+from airflow_provider_torchdist.spark.driver.channel import RunChannel
+from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused
+from airflow_provider_torchdist.spark.wire.connect_ids import connect_operation
+
+#: What a Connect server takes in one gRPC message by default (``spark.connect.grpc.maxInboundMessageSize``).
+DEFAULT_MAX_MESSAGE = 128 * 1024 * 1024
+#: Room in the job's plan for what is not the payload (the pickled task function, the spec).
+PLAN_ROOM = 1024 * 1024
+
+
+class ConnectVerifier:
+    """Accepts each of the run's ``nodes`` once, on the host it connects from (the run's token
+    proved in the hello). A second claim of a node is refused and stops the run: Spark retried a
+    task of the barrier stage (which cannot go on without it), or someone else holds the token."""
+
+    def __init__(self, nodes: int, on_conflict: Any = None) -> None:
+        self._count = nodes
+        self._on_conflict = on_conflict
+        self._lock = threading.Lock()
+        self._nodes: dict[int, str] = {}
+
+    def __call__(self, node: int, task_attempt: int, peer_ip: str) -> str:
+        if not 0 <= node < self._count:
+            raise HelloRefused(f"node {node} is not one of this run's {self._count} node(s)")
+        with self._lock:
+            first = self._nodes.get(node)
+            if first is None:
+                self._nodes[node] = peer_ip
+                conflict = None
+            else:
+                conflict = (
+                    f"node {node} registered a second time (task attempt {task_attempt} from {peer_ip}; first "
+                    f"from {first}): Spark retried a barrier task, or someone else holds the run's token"
+                )
+        if conflict is not None:
+            if self._on_conflict is not None:
+                self._on_conflict(conflict)
+            raise HelloRefused(conflict)
+        return peer_ip
+
+
+def local_slots(master: str, task_cpus: int) -> int | None:
+    """The task slots of a ``local[N]`` server master (None: a cluster, or ``local[*]``)."""
+    match = re.fullmatch(r"local\[(\d+)(,\d+)?\]|local", master.strip())
+    if match is None:
+        return None
+    return int(match[1] or 1) // max(task_cpus, 1)
+
+
+class SlotWatch:
+    """Fails the run when not every barrier task has started within ``timeout`` seconds.
+
+    A Connect client cannot see the cluster's executors; what it can see is whether the job's
+    tasks reported in. A barrier stage starts all its tasks at once or none, so none by then means
+    the cluster cannot fit the stage now (Spark's own check would wait about 10 minutes).
+    """
+
+    def __init__(self, channel: RunChannel, needed: int, timeout: float | None, cancel: Any) -> None:
+        self._channel, self._needed, self._timeout, self._cancel = channel, needed, timeout, cancel
+        self._done = threading.Event()
+        #: Set when the watch gave up: the run's error.
+        self.error: str | None = None
+
+    def __enter__(self) -> SlotWatch:
+        threading.Thread(target=self._watch, daemon=True, name="torchdist-slot-watch").start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        start = time.monotonic()
+        next_say = start + 10
+        while not self._done.wait(1.0):
+            started = len(self._channel.started_nodes)
+            if started >= self._needed:
+                return
+            waited = time.monotonic() - start
+            if self._timeout is not None and waited >= self._timeout:
+                self.error = (
+                    f"The barrier stage needs {self._needed} task slot(s) at once, and {started} of its tasks "
+                    f"started within slot_timeout={self._timeout:.0f}s over Spark Connect: the cluster is too "
+                    "small or busy, or its executors cannot reach the run channel on "
+                    f"{self._channel.address[0]}:{self._channel.address[1]} (the connection's extra channel-host "
+                    "sets it). Lower num_processes, raise nproc_per_node, or give the cluster more executors/cores."
+                )
+                self._cancel()
+                return
+            if time.monotonic() >= next_say:
+                next_say += 10
+                self._channel.say(
+                    f"waiting for {self._needed - started} of {self._needed} barrier task(s) to start: the "
+                    "stage needs all its task slots at once"
+                )
+
+
+def check_payload_size(size: int, spark: Any) -> None:
+    """Refuse, before the job goes, a payload the server would refuse as a gRPC message too large.
+
+    The payload travels inside the job's plan (never as a file on a shared path), and the server
+    takes a plan of at most ``spark.connect.grpc.maxInboundMessageSize`` bytes."""
+    limit = DEFAULT_MAX_MESSAGE
+    with contextlib.suppress(Exception):  # a server that hides its settings: the default
+        limit = int(spark.conf.get("spark.connect.grpc.maxInboundMessageSize", str(DEFAULT_MAX_MESSAGE)))
+    if size + PLAN_ROOM > limit:
+        raise ValueError(
+            "the training payload (the pickled callable with its args and kwargs, or the script, and "
+            f"py_files) is {size / 2**20:.1f} MiB, and a Spark Connect job carries it in its plan, which this server takes "
+            f"up to {limit / 2**20:.0f} MiB (spark.connect.grpc.maxInboundMessageSize). Pass large data by "
+            "path instead (a file or train_data the executors read), or raise that setting on the server."
+        )
+
+
+class OperationAnnouncer:
+    """Tells the run's owners its application and, once Spark Connect names it (its first progress
+    report, about 2 s into the job), its operation: ``<session id>/<operation id>``, for the run's
+    record. Registered with ``SparkSession.registerProgressHandler``."""
+
+    def __init__(self, channel: RunChannel, app_id: str | None, session_id: str) -> None:
+        self._channel, self._app_id, self._session_id = channel, app_id, session_id
+        self._lock = threading.Lock()
+        self._said = False
+
+    def progress(self, *, operation_id: str | None = None, **_: Any) -> None:
+        if operation_id:
+            self._say(connect_operation(self._session_id, operation_id))
+
+    def last_call(self) -> None:
+        """The job has ended: the application, if no progress report named the operation."""
+        self._say(None)
+
+    def _say(self, operation: str | None) -> None:
+        with self._lock:
+            if self._said or self._app_id is None:
+                return
+            self._said = True
+        self._channel.application(self._app_id, None, operation)

@@ -1,0 +1,86 @@
+"""What each barrier task of a run's Connect job runs on the server's executors: the payload and
+the user's py_files written privately, then the node as :func:`~airflow_provider_torchdist.spark.node.barrier.barrier_task`
+runs it; and how a node ends itself when the run's driver is gone."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
+from airflow_provider_torchdist.spark.wire.private_files import write_private_bytes
+
+
+def end_this_node() -> None:
+    """The run's driver died (SIGKILLed, its machine lost) while the server's job goes on: end this
+    node's ranks (SIGTERM, 5 s, SIGKILL) and its Python worker, instead of training for nobody;
+    Spark then fails the task, and so the job."""
+
+    import psutil
+
+    ranks = psutil.Process().children(recursive=True)  # torchrun's workers and theirs
+    for proc in ranks:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(ranks, timeout=5)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    os.kill(os.getpid(), signal.SIGKILL)  # this worker too: its task has no driver to report to
+
+
+def connect_node_task(
+    spec: JobSpec,
+    channel_address: tuple[str, int],
+    output_dir: str,
+    entry: bytes,
+    py_files: list[tuple[str, bytes]],
+    rows: Iterator[Any],
+) -> Iterator[Any]:
+    """One barrier task of the job: write the payload and the user's ``py_files`` (``(name,
+    bytes)``) privately, put the latter on the ranks' ``sys.path``, then run the node as
+    :func:`.barrier.barrier_task` does."""
+    import pyarrow as pa
+
+    from airflow_provider_torchdist.spark.node.barrier import barrier_task
+
+    # Read the task's input (its one row) to the end, or Spark will not reuse this Python worker.
+    for _ in rows:
+        pass
+    environ = dict(os.environ)  # a reused worker must not hand this run's settings to the next task
+    import_path = list(sys.path)
+
+    directory = tempfile.mkdtemp(prefix=f"torchdist-connect-{os.getpid()}-")  # 0700
+    try:
+        shipped = [private_file(directory, name, data) for name, data in py_files]
+        # As spark-submit's --py-files: first on the worker's sys.path, which the ranks (forked by
+        # torchrun's agent) inherit.
+        # A .py file is a module in its directory; a zip or egg is a path entry itself.
+        entries = [p for p in shipped if not p.endswith(".py")]
+        sys.path[:0] = [directory, *entries] if len(entries) < len(shipped) else entries
+        # Module mode ships no entry: the module comes from py_files or the executors' Python.
+        path = directory if spec.kind == "module" else private_file(directory, spec.entry, entry)
+        # Rank 0 writes its value in place when this client's staging directory is on its machine
+        # too (a server beside this worker), else streams it over the channel.
+        for result in barrier_task(
+            spec, channel_address, output_dir, iter(()), entry_path=path, on_driver_lost=end_this_node
+        ):
+            yield pa.RecordBatch.from_pydict({"result": [result]})
+    finally:
+        import shutil
+
+        shutil.rmtree(directory, ignore_errors=True)
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.path[:] = import_path  # nor this run's py_files
+
+
+def private_file(directory: str, name: str, data: bytes) -> str:
+    """``data`` in the 0600 file ``directory/<basename of name>``; returns its path."""
+    return str(write_private_bytes(Path(directory, os.path.basename(name)), data))
