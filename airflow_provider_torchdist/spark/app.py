@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,8 @@ from airflow_provider_torchdist.spark.driver.rank_logs import rank_filter
 from airflow_provider_torchdist.spark.driver.spark_context import (
     cluster_channel,
     first_line,
-    group_canceller,
-    stop_spark,
+    open_run,
+    spark_driver,
 )
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
@@ -100,32 +101,14 @@ def started(world_size: int) -> dict[str, object]:
 
 def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
     """A barrier stage of ``num_nodes`` tasks, each running torchrun's agent for its ranks."""
-    from pyspark import SparkContext
-
-    from airflow_provider_torchdist.spark.driver.slots import wait_for_slots
-    from airflow_provider_torchdist.spark.node.barrier import barrier_task
-
-    emit("spark_context_start")
-    sc = SparkContext.getOrCreate()
-    emit("spark_context_up")
-    group = f"torchdist-{spec.run_id}"
-    cancel = group_canceller(sc, group)
-    try:
-        nproc = spec.nproc_per_node
+    nproc = spec.nproc_per_node
+    with spark_driver(spec) as (sc, group, cancel):
         channel = cluster_channel(
             spec, staging, sc, group, cancel, ranks_of_node=lambda n: range(n * nproc, (n + 1) * nproc)
         )
         with channel:
-            write_channel_address(staging, channel.address)  # for the hook, which follows the run as owner
-            channel.say(
-                f"distributed mode: {spec.num_nodes} Spark task(s) x {spec.nproc_per_node} process(es), "
-                f"master {sc.master}"
-            )
-            if channel.rank_filter:
-                channel.say(channel.rank_filter.announcement())
-            channel.application(sc.applicationId, sc.uiWebUrl or None)
-            wait_for_slots(sc, spec.num_nodes, spec.slot_timeout, channel.say)
-            sc.setJobGroup(group, f"torchdist training {spec.run_id}", interruptOnCancel=True)
+            mode = f"distributed mode: {spec.num_nodes} Spark task(s) x {nproc} process(es)"
+            open_run(channel, sc, spec, staging, group, mode=mode, min_nodes=spec.num_nodes)
             shards = None
             if has_train_data(spec):
                 try:
@@ -134,33 +117,7 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
                     channel.say(str(exc))
                     return Outcome(ok=False, error=str(exc))
             world_sizes = [started(spec.num_processes)]
-            stage = sc.parallelize(range(spec.num_nodes), spec.num_nodes).barrier()
-            done = threading.Event()
-            threading.Thread(
-                target=_say_while_waiting, args=(channel, spec.num_nodes, done), daemon=True
-            ).start()
-            error = None
-            # Cancels the stage the moment Spark loses an executor running a node: the ranks on
-            # the other hosts may be blocked in a collective with the lost ones.
-            watch = ExecutorWatch(sc, cancel)
-            try:
-                with watch:
-                    emit("barrier_stage_submitted")
-                    if shards is None:
-                        results = stage.mapPartitions(
-                            functools.partial(barrier_task, spec, channel.address, str(staging))
-                        ).collect()
-                    else:
-                        results = data_stage(shards, spec, channel.address, str(staging))
-                    emit("barrier_stage_done")
-            except Exception as exc:
-                results = []
-                error = _lost_executors(watch, channel, spec, exc)
-                # When a rank reported, its failure is the story; Spark's is only the cancellation.
-                if error is None and not channel.failures:
-                    error = first_line(exc)
-            finally:
-                done.set()
+            results, error = barrier_stage(sc, spec, channel, staging, cancel, shards)
             emit("channel_close")
         emit("channel_closed")
         failures = channel.failures
@@ -172,8 +129,45 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
             metrics=channel.metrics,
             world_sizes=world_sizes,
         )
+
+
+def barrier_stage(
+    sc: Any,
+    spec: JobSpec,
+    channel: RunChannel,
+    staging: Path,
+    cancel: Callable[[], None],
+    shards: tuple[Any, Any, tuple[int, ...]] | Path | None,
+) -> tuple[list[str], str | None]:
+    """The barrier stage, one task per node (over its rows with ``shards``); returns each node's
+    result and the stage's error (None when it succeeded, or when a rank's report tells the story)."""
+    from airflow_provider_torchdist.spark.node.barrier import barrier_task
+
+    done = threading.Event()
+    threading.Thread(target=_say_while_waiting, args=(channel, spec.num_nodes, done), daemon=True).start()
+    # Cancels the stage the moment Spark loses an executor running a node: the ranks on the other
+    # hosts may be blocked in a collective with the lost ones.
+    watch = ExecutorWatch(sc, cancel)
+    try:
+        with watch:
+            emit("barrier_stage_submitted")
+            if shards is None:
+                stage = sc.parallelize(range(spec.num_nodes), spec.num_nodes).barrier()
+                results = stage.mapPartitions(
+                    functools.partial(barrier_task, spec, channel.address, str(staging))
+                ).collect()
+            else:
+                results = data_stage(shards, spec, channel.address, str(staging))
+            emit("barrier_stage_done")
+        return results, None
+    except Exception as exc:
+        error = _lost_executors(watch, channel, spec, exc)
+        # When a rank reported, its failure is the story; Spark's is only the cancellation.
+        if error is None and not channel.failures:
+            error = first_line(exc)
+        return [], error
     finally:
-        stop_spark(sc, fast=spec.fast_jvm_start)
+        done.set()
 
 
 def data_stage(

@@ -55,9 +55,7 @@ NOT_YET_SPLIT = {
     "airflow_provider_torchdist/spark/node/barrier.py barrier_task",
     "airflow_provider_torchdist/spark/driver/channel.py",
     "airflow_provider_torchdist/spark/data/data_shards.py",
-    "airflow_provider_torchdist/spark/app.py run_distributed",
     "airflow_provider_torchdist/spark/elastic/task.py elastic_task",
-    "airflow_provider_torchdist/spark/elastic/run.py run_elastic",
     "airflow_provider_torchdist/spark/node/launcher.py launch_node",
     "airflow_provider_torchdist/spark/node/rank.py run_rank",
 }

@@ -1,5 +1,5 @@
-"""The driver's SparkContext: its job group's cancel, the run channel its tasks report to,
-stopping it fast, and Spark's errors in one line.
+"""The driver's SparkContext: its job group's cancel, the run channel its tasks report to and
+what a run says on it first, stopping it fast, and Spark's errors in one line.
 
 Shared by the fixed-size driver (:mod:`~airflow_provider_torchdist.spark.app`) and the elastic one
 (:mod:`~airflow_provider_torchdist.spark.elastic.run`).
@@ -8,12 +8,12 @@ Shared by the fixed-size driver (:mod:`~airflow_provider_torchdist.spark.app`) a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
-from airflow_provider_torchdist.spark.driver.owner import read_owner_token
+from airflow_provider_torchdist.spark.driver.owner import read_owner_token, write_channel_address
 from airflow_provider_torchdist.spark.driver.rank_logs import rank_filter
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
@@ -82,3 +82,36 @@ def cluster_channel(
         rank_filter=rank_filter(spec.log_ranks, staging),
         **settings,
     )
+
+
+@contextlib.contextmanager
+def spark_driver(spec: JobSpec) -> Iterator[tuple[Any, str, Callable[[], None]]]:
+    """The driver's SparkContext for a run on a cluster, the run's job group and its canceller;
+    the context is stopped on the way out."""
+    from pyspark import SparkContext
+
+    emit("spark_context_start")
+    sc = SparkContext.getOrCreate()
+    emit("spark_context_up")
+    group = f"torchdist-{spec.run_id}"
+    try:
+        yield sc, group, group_canceller(sc, group)
+    finally:
+        stop_spark(sc, fast=spec.fast_jvm_start)
+
+
+def open_run(
+    channel: RunChannel, sc: Any, spec: JobSpec, staging: Path, group: str, *, mode: str, min_nodes: int
+) -> None:
+    """What a cluster run does first, its channel open: the channel's address for the hook (which
+    follows the run as its owner), the run's ``mode`` line, the application, the wait for
+    ``min_nodes`` task slots, and the job group its stage runs in."""
+    from airflow_provider_torchdist.spark.driver.slots import wait_for_slots
+
+    write_channel_address(staging, channel.address)
+    channel.say(f"{mode}, master {sc.master}")
+    if channel.rank_filter:
+        channel.say(channel.rank_filter.announcement())
+    channel.application(sc.applicationId, sc.uiWebUrl or None)
+    wait_for_slots(sc, min_nodes, spec.slot_timeout, channel.say)
+    sc.setJobGroup(group, f"torchdist training {spec.run_id}", interruptOnCancel=True)

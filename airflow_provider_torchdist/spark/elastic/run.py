@@ -16,13 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from airflow_provider_torchdist.spark.driver.channel import RunChannel
 from airflow_provider_torchdist.spark.driver.executor_loss import ExecutorWatch
-from airflow_provider_torchdist.spark.driver.owner import write_channel_address
 from airflow_provider_torchdist.spark.driver.spark_context import (
     cluster_channel,
     first_line,
-    group_canceller,
-    stop_spark,
+    open_run,
+    spark_driver,
 )
 from airflow_provider_torchdist.spark.elastic.task import RendezvousStore
 from airflow_provider_torchdist.spark.elastic.world_sizes import WorldSizeHistory
@@ -35,20 +35,11 @@ from airflow_provider_torchdist.spark.wire.protocol import ProtocolError
 def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
     """An ordinary stage of MAX/nproc_per_node tasks, each a torchrun agent for ``--nnodes=MIN:MAX``
     on the rendezvous store this driver serves (:mod:`.elastic`)."""
-    from pyspark import SparkContext
-
-    from airflow_provider_torchdist.spark.driver.slots import wait_for_slots
-    from airflow_provider_torchdist.spark.elastic.task import elastic_task
-
     # The driver serves the rendezvous store, so it needs torch (about a second to import): import it
     # while the JVM starts, which mostly waits on another process.
     threading.Thread(target=importlib.import_module, args=("torch.distributed",), daemon=True).start()
-    emit("spark_context_start")
-    sc = SparkContext.getOrCreate()
-    emit("spark_context_up")
-    group = f"torchdist-{spec.run_id}"
-    cancel = group_canceller(sc, group)  # also when an agent gives up (out of restarts, below MIN)
-    try:
+    # The job group is cancelled also when an agent gives up (out of restarts, below MIN).
+    with spark_driver(spec) as (sc, group, cancel):
         host = sc.getConf().get("spark.driver.host")
         store = RendezvousStore(host, timeout=spec.rendezvous_timeout + 60, token=spec.token)
         monitor = ElasticMonitor(spec, store, cancel, say=lambda text: channel.say(text))
@@ -65,31 +56,13 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
             on_world_size=monitor.world_size,
         )
         with channel:
-            write_channel_address(staging, channel.address)
-            channel.say(
+            mode = (
                 f"elastic mode: {spec.min_processes} to {spec.max_processes} ranks, {spec.num_nodes} Spark "
                 f"task(s) x {spec.nproc_per_node} process(es), join window {spec.join_window}s, "
-                f"max_restarts {spec.max_restarts}, master {sc.master}"
+                f"max_restarts {spec.max_restarts}"
             )
-            if channel.rank_filter:
-                channel.say(channel.rank_filter.announcement())
-            channel.application(sc.applicationId, sc.uiWebUrl or None)
-            wait_for_slots(sc, spec.min_nodes, spec.slot_timeout, channel.say)
-            sc.setJobGroup(group, f"torchdist elastic training {spec.run_id}", interruptOnCancel=True)
-            stage = sc.parallelize(range(spec.num_nodes), spec.num_nodes)
-            error = None
-            watch = ExecutorWatch(sc, lambda: monitor.lost(watch.lost))
-            try:
-                with watch:
-                    emit("elastic_stage_submitted")
-                    results = stage.mapPartitions(
-                        functools.partial(elastic_task, spec, channel.address, store.address, str(staging))
-                    ).collect()
-                    emit("elastic_stage_done")
-            except Exception as exc:
-                results = []
-                if not channel.failures:
-                    error = first_line(exc)
+            open_run(channel, sc, spec, staging, group, mode=mode, min_nodes=spec.min_nodes)
+            results, error = elastic_stage(sc, spec, channel, store.address, monitor, staging)
             failures = channel.failures
             if monitor.gave_up:
                 error = _elastic_loss_error(spec, history, failures, nobody_left=True)
@@ -107,8 +80,32 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
             metrics=channel.metrics,
             world_sizes=history.entries,
         )
-    finally:
-        stop_spark(sc, fast=spec.fast_jvm_start)
+
+
+def elastic_stage(
+    sc: Any,
+    spec: JobSpec,
+    channel: RunChannel,
+    store: tuple[str, int],
+    monitor: ElasticMonitor,
+    staging: Path,
+) -> tuple[list[str], str | None]:
+    """The stage of elastic agents; Spark's executor losses go to ``monitor``. Returns each
+    node's result and the stage's error (None when it succeeded, or when a rank reported)."""
+    from airflow_provider_torchdist.spark.elastic.task import elastic_task
+
+    stage = sc.parallelize(range(spec.num_nodes), spec.num_nodes)
+    watch = ExecutorWatch(sc, lambda: monitor.lost(watch.lost))
+    try:
+        with watch:
+            emit("elastic_stage_submitted")
+            results = stage.mapPartitions(
+                functools.partial(elastic_task, spec, channel.address, store, str(staging))
+            ).collect()
+            emit("elastic_stage_done")
+        return results, None
+    except Exception as exc:
+        return [], None if channel.failures else first_line(exc)
 
 
 class ElasticMonitor:
