@@ -142,24 +142,13 @@ def _spark_zip(dest: Path) -> None:
     os.chmod(dest, 0o600)
 
 
-def stage_run(
-    train_object: Callable[..., Any] | str,
-    args: list[Any],
-    kwargs: dict[str, Any],
-    *,
-    base_dir: str | None = None,
-    training: TrainingSpec | None = None,
-    **run_fields: Any,
-) -> StagedRun:
-    """Check and pickle the work, then write everything a run needs into a fresh private directory.
-
-    The job spec is ``training``'s cluster settings plus the run's identity; ``run_fields`` adds
-    run-time values (the effective ``slot_timeout``) or, for tests, settings.
-
-    Raises before anything is written when a script is missing or misnamed, the staging directory's
-    path cannot travel with ``--files``, or the payload cannot be pickled.
-    """
-    check_staging_dir(base_dir)
+def packaged_work(
+    train_object: Callable[..., Any] | str, args: list[Any], kwargs: dict[str, Any]
+) -> tuple[str, str, bytes | None, list[str]]:
+    """The work as the job spec names it: its ``kind``, its ``entry`` (a file in the staging
+    directory, or a module's name), the entry's bytes (None for a module: nothing is shipped) and a
+    script's or module's command-line arguments. Raises for a missing or misnamed script, or
+    keyword arguments for a script or module."""
     if callable(train_object):
         kind, entry, data = "callable", PAYLOAD_FILE, pickle_payload(train_object, args, kwargs)
         script_args: list[str] = []
@@ -179,6 +168,28 @@ def stage_run(
             raise InvalidTrainingConfig(_ARGV_ONLY.format(what="a script's"))
         kind, entry, data = "script", script.name, script.read_bytes()
         script_args = [str(a) for a in args]
+    return kind, entry, data, script_args
+
+
+def stage_run(
+    train_object: Callable[..., Any] | str,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    *,
+    base_dir: str | None = None,
+    training: TrainingSpec | None = None,
+    **run_fields: Any,
+) -> StagedRun:
+    """Check and pickle the work, then write everything a run needs into a fresh private directory.
+
+    The job spec is ``training``'s cluster settings plus the run's identity; ``run_fields`` adds
+    run-time values (the effective ``slot_timeout``) or, for tests, settings.
+
+    Raises before anything is written when a script is missing or misnamed, the staging directory's
+    path cannot travel with ``--files``, or the payload cannot be pickled.
+    """
+    check_staging_dir(base_dir)
+    kind, entry, data, script_args = packaged_work(train_object, args, kwargs)
     data_fn = training.train_data if training is not None and callable(training.train_data) else None
     data_source = None if data_fn is None else pickle_payload(data_fn, [], {}, label="train_data")
     staging = Path(tempfile.mkdtemp(prefix="torchdist-", dir=base_dir))

@@ -46,19 +46,6 @@ SPARK_LAYERS: list[set[str]] = [
 MODULE_LINES = 300
 FUNCTION_LINES = 60
 SIZE_REASON = "# size:"
-#: Over the limits today, to be split in the next steps of the layout work (the driver's shared stage
-#: skeleton, the Connect driver, the operator's run control): the list may only shrink. An entry
-#: that is no longer over fails the test, so that it is taken off.
-NOT_YET_SPLIT = {
-    "airflow_provider_torchdist/triggers/torch_distributor.py",
-    "airflow_provider_torchdist/submit/staging.py stage_run",
-    "airflow_provider_torchdist/spark/node/barrier.py barrier_task",
-    "airflow_provider_torchdist/spark/driver/channel.py",
-    "airflow_provider_torchdist/spark/data/data_shards.py",
-    "airflow_provider_torchdist/spark/elastic/task.py elastic_task",
-    "airflow_provider_torchdist/spark/node/launcher.py launch_node",
-    "airflow_provider_torchdist/spark/node/rank.py run_rank",
-}
 
 
 def layer_of(module: str, package: str = PACKAGE) -> str | None:
@@ -149,10 +136,9 @@ def _oversized(path: Path, base: Path = ROOT.parent) -> list[str]:
 
 def test_modules_and_functions_are_small_or_say_why() -> None:
     found = {item for path in sorted(ROOT.rglob("*.py")) for item in _oversized(path)}
-    assert sorted(found - NOT_YET_SPLIT) == [], (
+    assert sorted(found) == [], (
         f"over {MODULE_LINES} lines (a module) or {FUNCTION_LINES} (a function), with no {SIZE_REASON!r} comment"
     )
-    assert sorted(NOT_YET_SPLIT - found) == [], "no longer over the limits: take it off NOT_YET_SPLIT"
 
 
 @pytest.mark.parametrize("reason", [True, False])

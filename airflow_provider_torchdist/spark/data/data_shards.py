@@ -24,6 +24,9 @@ deterministic (the same rows, in the same order, per partition each time it runs
 every partition's count against the plan, and the nodes every rank's, and fail saying so.
 """
 
+# size: train_data's driver side, its routes side by side (shared disk, shuffle, local), each
+# short: about 300 lines, kept whole.
+
 from __future__ import annotations
 
 import os

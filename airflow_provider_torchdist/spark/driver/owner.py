@@ -202,12 +202,15 @@ class OwnerHub:
     def serve(self, conn: socket.socket) -> None:
         """Send this owner the replay, then the live events, until the hub closes or the owner goes."""
         with self._lock:
-            if self._closed:
-                return
             replay: list[OwnerEvent] = [self._application] if self._application else []
             replay += [event for _, event in heapq.merge(self._lines, self._metrics, key=lambda x: x[0])]
             sub = _Subscriber(replay)
-            self._subscribers.append(sub)
+            if self._closed:
+                # The channel closed between this owner's hello and now: it was told "ok", so it
+                # still gets the replay (the whole run, as far as kept), then the end.
+                sub.events.put(None)
+            else:
+                self._subscribers.append(sub)
         conn.settimeout(OWNER_SEND_TIMEOUT_S)
         try:
             while (event := sub.events.get()) is not None:
@@ -223,7 +226,8 @@ class OwnerHub:
             pass  # the owner went away (or stalled past the timeout): it is simply no longer served
         finally:
             with self._lock:
-                self._subscribers.remove(sub)
+                if sub in self._subscribers:
+                    self._subscribers.remove(sub)
             sub.done.set()
 
     def close(self, timeout: float = 5.0) -> None:

@@ -23,6 +23,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
 from airflow_provider_torchdist.spark.wire.events import emit
@@ -164,9 +165,8 @@ def elastic_task(
     The node rank is the Spark partition id; the global ranks are the rendezvous's to give, per
     generation. Failures go to the driver over the run channel, as in a barrier task.
     """
-    from pyspark import SparkFiles, TaskContext
+    from pyspark import TaskContext
 
-    from airflow_provider_torchdist.spark.node.barrier import gpu_environment, shared_output_dir
     from airflow_provider_torchdist.spark.node.rank import die_with_parent
 
     die_with_parent()
@@ -186,23 +186,7 @@ def elastic_task(
     client.send(NodeStarted())
     failures: list[RankFailure]
     try:
-        gpus = ctx.resources().get("gpu")
-        os.environ.update(gpu_environment(spec, list(gpus.addresses) if gpus else None))
-        from airflow_provider_torchdist.spark.node.launcher import launch_node  # imports torch
-
-        with RestartWatch(store, spec.rendezvous_timeout, spec.token):
-            failures = launch_node(
-                spec,
-                node_rank=node,
-                entry_path=SparkFiles.get(spec.entry),
-                channel_address=channel_address,
-                host=host,
-                task_cpus=ctx.cpus(),
-                # Any node may hold rank 0 in some generation.
-                output_dir=shared_output_dir(driver_output_dir),
-                node_key=client.node_key,
-                store=store,
-            )
+        failures = run_elastic_node(ctx, client, spec, channel_address, store, driver_output_dir)
     except Exception as exc:
         failures = [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]
     stopped = [f for f in failures if f.exc_type == "SignalException"]
@@ -216,3 +200,37 @@ def elastic_task(
     client.close()
     emit("task_end", node=node)
     yield json.dumps({"node": node, "host": host, "failed": bool(failures)})
+
+
+def run_elastic_node(
+    ctx: Any,
+    client: ChannelClient,
+    spec: JobSpec,
+    channel_address: tuple[str, int],
+    store: tuple[str, int],
+    driver_output_dir: str | None,
+) -> list[RankFailure]:
+    """This node's agent for MIN:MAX on the driver's store, its GPUs set, under a
+    :class:`RestartWatch`; returns the failures of its ranks."""
+    from pyspark import SparkFiles
+
+    from airflow_provider_torchdist.spark.node.barrier import gpu_environment, shared_output_dir
+
+    gpus = ctx.resources().get("gpu")
+    os.environ.update(gpu_environment(spec, list(gpus.addresses) if gpus else None))
+    from airflow_provider_torchdist.spark.node.launcher import launch_node  # imports torch
+
+    assert client.host is not None
+    with RestartWatch(store, spec.rendezvous_timeout, spec.token):
+        return launch_node(
+            spec,
+            node_rank=ctx.partitionId(),
+            entry_path=SparkFiles.get(spec.entry),
+            channel_address=channel_address,
+            host=client.host,
+            task_cpus=ctx.cpus(),
+            # Any node may hold rank 0 in some generation.
+            output_dir=shared_output_dir(driver_output_dir),
+            node_key=client.node_key,
+            store=store,
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
 from airflow_provider_torchdist.spark.wire.events import emit
@@ -78,9 +79,8 @@ def barrier_task(
     ``on_driver_lost``: called if the driver's end of the channel closes while the node runs (over
     Spark Connect the server's job outlives a dead driver; with spark-submit, the application does not).
     """
-    from pyspark import BarrierTaskContext, SparkFiles
+    from pyspark import BarrierTaskContext
 
-    from airflow_provider_torchdist.spark.node.network import free_port
     from airflow_provider_torchdist.spark.node.rank import die_with_parent
 
     # If the executor's Python daemon dies (its JVM ended or was killed), this worker and, through
@@ -97,34 +97,17 @@ def barrier_task(
     )
     client.send(NodeStarted())
     try:
-        if prepare is not None:
-            prepare()
-        gpus = ctx.resources().get("gpu")
-        os.environ.update(gpu_environment(spec, list(gpus.addresses) if gpus else None))
-        if node == 0:  # before importing torch, so the other tasks need not wait for that
-            master = (host, free_port(host))
-            client.announce_master(*master)
-        from airflow_provider_torchdist.spark.node.launcher import launch_node  # imports torch
-
-        emit("launcher_imported", node=node)
-        if node != 0:
-            master = client.wait_for_master(spec.rendezvous_timeout)
-        emit("rendezvous_done", node=node)
-        stop_watching = client.watch_driver(on_driver_lost) if on_driver_lost else (lambda: None)
-        try:
-            failures = launch_node(
-                spec,
-                node_rank=node,
-                entry_path=entry_path or SparkFiles.get(spec.entry),
-                channel_address=channel_address,
-                host=host,
-                master=master,
-                task_cpus=ctx.cpus(),
-                output_dir=shared_output_dir(driver_output_dir) if node == 0 else None,
-                node_key=client.node_key,
-            )
-        finally:
-            stop_watching()
+        failures = run_node(
+            ctx,
+            client,
+            spec,
+            channel_address,
+            host=host,
+            driver_output_dir=driver_output_dir,
+            prepare=prepare,
+            entry_path=entry_path,
+            on_driver_lost=on_driver_lost,
+        )
     except Exception as exc:
         failures = [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]
     if failures:
@@ -132,3 +115,53 @@ def barrier_task(
     client.close()
     emit("task_end", node=node)
     yield json.dumps({"node": node, "host": host, "failed": bool(failures)})
+
+
+def run_node(
+    ctx: Any,
+    client: ChannelClient,
+    spec: JobSpec,
+    channel_address: tuple[str, int],
+    *,
+    host: str,
+    driver_output_dir: str | None,
+    prepare: Callable[[], None] | None,
+    entry_path: str | None,
+    on_driver_lost: Callable[[], None] | None,
+) -> list[RankFailure]:
+    """This node's work once the driver knows it started (:func:`barrier_task`): ``prepare``, its
+    GPUs, the rendezvous endpoint (task 0 announces it, the others wait for it), then torchrun's
+    agent; returns the failures of its ranks."""
+    from pyspark import SparkFiles
+
+    from airflow_provider_torchdist.spark.node.network import free_port
+
+    node = ctx.partitionId()
+    if prepare is not None:
+        prepare()
+    gpus = ctx.resources().get("gpu")
+    os.environ.update(gpu_environment(spec, list(gpus.addresses) if gpus else None))
+    if node == 0:  # before importing torch, so the other tasks need not wait for that
+        master = (host, free_port(host))
+        client.announce_master(*master)
+    from airflow_provider_torchdist.spark.node.launcher import launch_node  # imports torch
+
+    emit("launcher_imported", node=node)
+    if node != 0:
+        master = client.wait_for_master(spec.rendezvous_timeout)
+    emit("rendezvous_done", node=node)
+    stop_watching = client.watch_driver(on_driver_lost) if on_driver_lost else (lambda: None)
+    try:
+        return launch_node(
+            spec,
+            node_rank=node,
+            entry_path=entry_path or SparkFiles.get(spec.entry),
+            channel_address=channel_address,
+            host=host,
+            master=master,
+            task_cpus=ctx.cpus(),
+            output_dir=shared_output_dir(driver_output_dir) if node == 0 else None,
+            node_key=client.node_key,
+        )
+    finally:
+        stop_watching()

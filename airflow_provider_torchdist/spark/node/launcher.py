@@ -221,6 +221,21 @@ def rendezvous_failure(
     )
 
 
+def agent_stopped(exc: SignalException, host: str, *, on_cluster: bool) -> RankFailure:
+    """The failure of an agent told to stop by a signal, saying who stops it there."""
+    why = (
+        "Spark ended this task (its executor went away, or the stage was cancelled)"
+        if on_cluster
+        else "the driver was told to stop (the task was killed or timed out)"
+    )
+    return RankFailure(
+        rank=None,
+        host=host,
+        exc_type="SignalException",
+        message=f"the torchrun agent was stopped by {exc.sigval.name}: {why}",
+    )
+
+
 def launch_node(
     spec: JobSpec,
     *,
@@ -272,19 +287,7 @@ def launch_node(
     except (DistStoreError, RendezvousTimeoutError) as exc:
         return [rendezvous_failure(spec, exc, host, master or store)]
     except SignalException as exc:  # the agent itself was told to stop; it stopped its ranks first
-        why = (
-            "Spark ended this task (its executor went away, or the stage was cancelled)"
-            if master is not None or store is not None
-            else "the driver was told to stop (the task was killed or timed out)"
-        )
-        return [
-            RankFailure(
-                rank=None,
-                host=host,
-                exc_type="SignalException",
-                message=f"the torchrun agent was stopped by {exc.sigval.name}: {why}",
-            )
-        ]
+        return [agent_stopped(exc, host, on_cluster=master is not None or store is not None)]
     except Exception as exc:  # no rank owns these
         return [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]
     finally:

@@ -141,6 +141,27 @@ def call_entry(spec: JobSpec, entry_path: str) -> Any:
     return None
 
 
+def connect_rank(
+    spec: JobSpec, channel_address: tuple[str, int], host: str, node: int, node_key: bytes, rank: int
+) -> ChannelClient | None:
+    """This rank's connection to the driver, or None (said on stderr) when it cannot reach it: the
+    rank trains on, its output then only in the log."""
+    try:
+        return ChannelClient.as_rank(
+            channel_address,
+            spec.token,
+            node=node,
+            rank=rank,
+            generation=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            host=host,
+            node_key=node_key,
+        )
+    except OSError as exc:
+        prefix = rank_prefix(rank, host)
+        print(f"[torchdist] {prefix} cannot reach the driver at {channel_address}: {exc}", file=sys.stderr)
+        return None
+
+
 def run_rank(
     spec: JobSpec,
     entry_path: str,
@@ -160,19 +181,7 @@ def run_rank(
     apply_thread_count()
     rank = int(os.environ["RANK"])
     prefix = rank_prefix(rank, host)
-    try:
-        client: ChannelClient | None = ChannelClient.as_rank(
-            channel_address,
-            spec.token,
-            node=node,
-            rank=rank,
-            generation=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            host=host,
-            node_key=node_key,
-        )
-    except OSError as exc:
-        print(f"[torchdist] {prefix} cannot reach the driver at {channel_address}: {exc}", file=sys.stderr)
-        client = None
+    client = connect_rank(spec, channel_address, host, node, node_key, rank)
     if client and spec.elastic and rank == 0:
         # Each generation of an elastic run has one rank 0: the driver learns the new world size
         # from it (and numbers the generation whose output this rank's connection may carry).

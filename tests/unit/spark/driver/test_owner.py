@@ -56,7 +56,7 @@ class Follower:
     def lines(self) -> list[str]:
         return [e.text for e in self.events if isinstance(e, LogLine)]
 
-    def ended(self, timeout: float = 5.0) -> bool:
+    def ended(self, timeout: float = 30.0) -> bool:  # a bound, not a wait: it returns when the stream ends
         self.thread.join(timeout)
         return not self.thread.is_alive()
 
@@ -282,3 +282,22 @@ def test_a_stalled_owner_does_not_hold_up_the_log(tmp_path):
             channel.say(f"line {i} " + "x" * 100)
         assert out.getvalue().count("\n") == 20_000
         stalled.close()
+
+
+def test_an_owner_whose_hello_passed_as_the_channel_closed_still_gets_the_replay():
+    """The channel told the owner "ok", then closed before its thread began to serve it (a run that
+    ended as its owner connected; seen as a flaky test under load): the owner gets the replay, then
+    the end, never an empty stream."""
+    from airflow_provider_torchdist.spark.driver.owner import OwnerHub
+    from airflow_provider_torchdist.spark.wire.protocol import decode
+
+    hub = OwnerHub()
+    for i in range(3):
+        hub.publish(LogLine(f"line {i}"))
+    hub.close()
+    served, owner = socket.socketpair()
+    owner.settimeout(10)  # an owner left waiting fails here, not hangs
+    with served, owner:
+        hub.serve(served)
+        received = owner.makefile("rb").read().splitlines()
+    assert [decode(raw) for raw in received] == [LogLine(f"line {i}") for i in range(3)]
