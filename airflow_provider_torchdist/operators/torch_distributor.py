@@ -27,7 +27,7 @@ from airflow_provider_torchdist.operators.xcom import WORLD_SIZES_XCOM_KEY as WO
 from airflow_provider_torchdist.operators.xcom import (
     push_link_placeholders,
 )
-from airflow_provider_torchdist.outputs import paths as run_paths
+from airflow_provider_torchdist.outputs import run_paths
 from airflow_provider_torchdist.spec import (
     SETTINGS,
     TrainingSpec,
@@ -217,7 +217,7 @@ class TorchDistributorOperator(SupervisedRunMixin, BaseOperator):
         return self.execute_resumable(context)
 
     def default_checkpoint_dir(self, context: Any) -> str:
-        """``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>[@map]`` (see :mod:`~airflow_provider_torchdist.outputs.paths`)."""
+        """``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>[@map]`` (see :mod:`~airflow_provider_torchdist.outputs.run_paths`)."""
         return run_paths.default_checkpoint_dir(context["ti"])
 
     def output_base(self) -> str:

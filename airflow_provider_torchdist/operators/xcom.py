@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from airflow_provider_torchdist.links import LINK_XCOM_KEYS, ApplicationLinks
-from airflow_provider_torchdist.outputs import paths as run_paths
+from airflow_provider_torchdist.outputs import run_paths
 from airflow_provider_torchdist.outputs.results import origin_of, output_to_xcom
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.supervision.lifeline.run_state import newest_that_fit
