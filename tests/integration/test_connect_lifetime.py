@@ -26,7 +26,12 @@ from airflow_provider_torchdist.supervision.record import RunRecord
 from tests.integration.connect_server import ConnectServer
 from tests.integration.deployment import Deployment, quote, wait_for
 from tests.integration.run_processes import supervisors
-from tests.integration.test_run_lifetime import _gate, _supervisor_of, _training
+from tests.integration.test_run_lifetime import (
+    _gate,
+    _retry_reattaches_and_trains_once,
+    _supervisor_of,
+    _training,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_supervisor_left")]
 
@@ -140,29 +145,7 @@ def test_sigkill_of_a_durable_task_over_connect_is_survived_and_the_retry_reatta
     )
     os.kill(task, signal.SIGKILL)
 
-    # The retry reattaches to the same supervisor while the ranks still wait at the gate.
-    deployment.wait_state(dag, run_id, "train", {"running"}, timeout=180)
-    wait_for(lambda: deployment.task_instance(dag, run_id, "train")["try_number"] == 2, 180, "try 2 to start")
-    retry = deployment.task_pid(dag, run_id, "train")
-    assert retry != task and supervisor.is_running()
-    # Open the gate only once try 2 owns the run: opened as soon as its process exists, the run
-    # could end before try 2 asks for it, and try 2 would take over the finished run's result
-    # instead of reattaching (right too, but not what this test is for).
-    wait_for(
-        lambda: deployment.log_says(dag, run_id, "train", 2, "Reattaching to run"),
-        120,
-        "try 2 to reattach to the run",
-        interval=0.5,
-    )
-    (gate / "release").touch()
-
-    final = deployment.wait_run(dag, run_id, timeout=240)
-    assert final["state"] == "success", deployment.run_report(dag, run_id)
-    # Trained exactly once: one start per rank.
-    for rank in (0, 1):
-        assert len((gate / f"started-{rank}").read_text().splitlines()) == 1
-    assert deployment.xcom(dag, run_id, "check") == {"trained": True, "world": 2}
-    log = deployment.task_log(dag, run_id, "train", 2)
+    log = _retry_reattaches_and_trains_once(deployment, dag, run_id, task, supervisor, gate)
     assert "Reattaching to run" in log and "after-gate rank 0" in log, log[-3000:]
     assert f"connect-operation {record.connect_operation}" in log, log[-3000:]
     wait_for(lambda: not supervisor.is_running(), 30, "the supervisor to end after release", interval=0.2)

@@ -79,6 +79,16 @@ def test_sigkill_of_a_durable_task_is_survived_and_the_retry_reattaches(
     supervisor = _supervisor_of(task)
     os.kill(task, signal.SIGKILL)
 
+    log = _retry_reattaches_and_trains_once(deployment, dag, run_id, task, supervisor, gate)
+    assert "before-gate rank 0" in log and "after-gate rank 0" in log, log[-3000:]
+    wait_for(lambda: not supervisor.is_running(), 30, "the supervisor to end after release", interval=0.2)
+
+
+def _retry_reattaches_and_trains_once(
+    deployment: Deployment, dag: str, run_id: str, task: int, supervisor: psutil.Process, gate: Path
+) -> str:
+    """After try 1 (``task``) was SIGKILLed with its ranks at the gate: try 2 reattaches to the same
+    supervisor, the gate opens, the DAG run succeeds, and each rank started once; returns try 2's log."""
     # The retry reattaches to the same supervisor while the ranks still wait at the gate.
     deployment.wait_state(dag, run_id, "train", {"running"}, timeout=180)
     wait_for(lambda: deployment.task_instance(dag, run_id, "train")["try_number"] == 2, 180, "try 2 to start")
@@ -101,9 +111,7 @@ def test_sigkill_of_a_durable_task_is_survived_and_the_retry_reattaches(
     for rank in (0, 1):
         assert len((gate / f"started-{rank}").read_text().splitlines()) == 1
     assert deployment.xcom(dag, run_id, "check") == {"trained": True, "world": 2}
-    log = deployment.task_log(dag, run_id, "train", 2)
-    assert "before-gate rank 0" in log and "after-gate rank 0" in log, log[-3000:]
-    wait_for(lambda: not supervisor.is_running(), 30, "the supervisor to end after release", interval=0.2)
+    return deployment.task_log(dag, run_id, "train", 2)
 
 
 def _supervisor_for(gate: Path) -> psutil.Process:

@@ -12,8 +12,9 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -297,3 +298,26 @@ def faked_spark(monkeypatch, fake_spark, inline_supervisor):
     monkeypatch.setattr(TorchDistributorOperator, "make_hook", make_hook)
     fake_spark.hooks = hooks
     return fake_spark
+
+
+class MetricRecorder:
+    """Stands in for a rank's connection to the driver: keeps the metric records it is sent."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def send(self, message: Any) -> bool:
+        self.records.append(message.record)
+        return True
+
+
+@pytest.fixture
+def sent_metrics(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
+    """Rank 0's ``report()`` records, as its connection to the driver would send them."""
+    from airflow_provider_torchdist.spark.node import rank_context
+
+    monkeypatch.setenv("RANK", "0")
+    recorder = MetricRecorder()
+    rank_context.set_client(recorder)  # type: ignore[arg-type]
+    yield recorder.records
+    rank_context.set_client(None)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,28 +12,6 @@ import pytest
 import torch
 
 from airflow_provider_torchdist.callbacks.scalars import known_total, scalar_metrics
-from airflow_provider_torchdist.spark.node import rank_context
-from airflow_provider_torchdist.spark.wire.protocol import Metric
-
-
-class FakeClient:
-    """Stands in for the rank's connection to the driver: keeps what it is sent."""
-
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-
-    def send(self, message: Metric) -> bool:
-        self.records.append(message.record)
-        return True
-
-
-@pytest.fixture
-def sent(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
-    monkeypatch.setenv("RANK", "0")
-    client = FakeClient()
-    rank_context.set_client(client)  # type: ignore[arg-type]
-    yield client.records
-    rank_context.set_client(None)
 
 
 def _metric_names(record: dict[str, Any]) -> set[str]:
@@ -101,24 +78,30 @@ def _lightning_fit(callback: Any, **trainer_kwargs: Any) -> None:
     trainer.fit(Regressor(), DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8))
 
 
-def test_lightning_reports_every_logging_step_and_the_last(sent: list[dict[str, Any]]) -> None:
+def test_lightning_reports_every_logging_step_and_the_last(sent_metrics: list[dict[str, Any]]) -> None:
     from airflow_provider_torchdist.callbacks import LightningReportCallback
 
     _lightning_fit(LightningReportCallback(), max_epochs=3, log_every_n_steps=5)  # 4 batches an epoch
-    assert [(r["step"], r["total_steps"], r["epoch"]) for r in sent] == [(5, 12, 1), (10, 12, 2), (12, 12, 2)]
-    for record in sent:
+    assert [(r["step"], r["total_steps"], r["epoch"]) for r in sent_metrics] == [
+        (5, 12, 1),
+        (10, 12, 2),
+        (12, 12, 2),
+    ]
+    for record in sent_metrics:
         assert _metric_names(record) == {"loss", "learning_rate", "epoch", "train_loss"}
         assert record["learning_rate"] == 0.05 and record["loss"] == pytest.approx(record["train_loss"])
 
 
-def test_lightning_reports_once_a_step_under_gradient_accumulation(sent: list[dict[str, Any]]) -> None:
+def test_lightning_reports_once_a_step_under_gradient_accumulation(
+    sent_metrics: list[dict[str, Any]],
+) -> None:
     from airflow_provider_torchdist.callbacks import LightningReportCallback
 
     _lightning_fit(LightningReportCallback(every_n_steps=1), max_epochs=2, accumulate_grad_batches=2)
-    assert [(r["step"], r["total_steps"]) for r in sent] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert [(r["step"], r["total_steps"]) for r in sent_metrics] == [(1, 4), (2, 4), (3, 4), (4, 4)]
 
 
-def test_lightning_without_an_end_reports_no_total(sent: list[dict[str, Any]]) -> None:
+def test_lightning_without_an_end_reports_no_total(sent_metrics: list[dict[str, Any]]) -> None:
     from airflow_provider_torchdist.callbacks import LightningReportCallback
 
     trainer = SimpleNamespace(
@@ -133,13 +116,13 @@ def test_lightning_without_an_end_reports_no_total(sent: list[dict[str, Any]]) -
     callback = LightningReportCallback()
     callback.on_train_start(trainer, None)  # type: ignore[arg-type]
     callback.on_train_batch_end(trainer, None, {"loss": torch.tensor(2.0)}, None, 0)  # type: ignore[arg-type]
-    (record,) = sent
+    (record,) = sent_metrics
     assert "total_steps" not in record and (record["step"], record["loss"], record["epoch"]) == (3, 2.0, 0)
 
 
 @pytest.mark.parametrize(("all_ranks", "reports"), [(False, 0), (True, 1)])
 def test_lightning_on_another_rank_reports_only_when_asked(
-    monkeypatch: pytest.MonkeyPatch, sent: list[dict[str, Any]], all_ranks: bool, reports: int
+    monkeypatch: pytest.MonkeyPatch, sent_metrics: list[dict[str, Any]], all_ranks: bool, reports: int
 ) -> None:
     from airflow_provider_torchdist.callbacks import LightningReportCallback
 
@@ -156,7 +139,7 @@ def test_lightning_on_another_rank_reports_only_when_asked(
     callback = LightningReportCallback(all_ranks=all_ranks)
     callback.on_train_start(trainer, None)  # type: ignore[arg-type]
     callback.on_train_batch_end(trainer, None, torch.tensor(1.0), None, 0)  # type: ignore[arg-type]
-    assert [r["rank"] for r in sent] == [1] * reports
+    assert [r["rank"] for r in sent_metrics] == [1] * reports
 
 
 @pytest.mark.parametrize("every", [0, -1, True, 1.5])
@@ -171,7 +154,7 @@ def test_lightning_refuses_a_bad_interval(every: Any) -> None:
 
 
 def test_transformers_trainer_reports_each_log(
-    sent: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+    sent_metrics: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
     import accelerate  # noqa: F401  (the [test] extra has both: missing fails, not skips)
     import transformers
@@ -202,11 +185,11 @@ def test_transformers_trainer_reports_each_log(
         callbacks=[TransformersReportCallback()],
     )
     trainer.train()
-    steps = [r for r in sent if "loss" in r]
+    steps = [r for r in sent_metrics if "loss" in r]
     assert [(r["step"], r["total_steps"]) for r in steps] == [(2, 8), (4, 8), (6, 8), (8, 8)]
     assert {"loss", "learning_rate", "epoch"} <= _metric_names(steps[0])
     assert [r["epoch"] for r in steps] == [0.5, 1.0, 1.5, 2.0]
-    summary = sent[-1]  # the Trainer's closing log: its runtime and mean loss
+    summary = sent_metrics[-1]  # the Trainer's closing log: its runtime and mean loss
     assert summary["step"] == 8 and "train_loss" in summary and "train_runtime" in summary
 
 
@@ -214,7 +197,7 @@ def _hf_state(**fields: Any) -> Any:
     return SimpleNamespace(**{"is_world_process_zero": True, "global_step": 5, "max_steps": 10, **fields})
 
 
-def test_transformers_leaves_out_what_is_not_a_number(sent: list[dict[str, Any]]) -> None:
+def test_transformers_leaves_out_what_is_not_a_number(sent_metrics: list[dict[str, Any]]) -> None:
     import transformers  # noqa: F401  (in the [test] extra)
 
     from airflow_provider_torchdist.callbacks import TransformersReportCallback
@@ -223,12 +206,14 @@ def test_transformers_leaves_out_what_is_not_a_number(sent: list[dict[str, Any]]
     callback.on_log(None, _hf_state(max_steps=0), None, logs={"loss": 0.5, "note": "x"})  # type: ignore[arg-type]
     callback.on_log(None, _hf_state(), None, logs={"note": "x"})  # type: ignore[arg-type]  # nothing to report
     callback.on_log(None, _hf_state(), None, logs=None)  # type: ignore[arg-type]
-    assert [{k: r[k] for k in r if k != "time"} for r in sent] == [{"rank": 0, "step": 5, "loss": 0.5}]
+    assert [{k: r[k] for k in r if k != "time"} for r in sent_metrics] == [
+        {"rank": 0, "step": 5, "loss": 0.5}
+    ]
 
 
 @pytest.mark.parametrize(("all_ranks", "reports"), [(False, 0), (True, 1)])
 def test_transformers_on_another_rank_reports_only_when_asked(
-    monkeypatch: pytest.MonkeyPatch, sent: list[dict[str, Any]], all_ranks: bool, reports: int
+    monkeypatch: pytest.MonkeyPatch, sent_metrics: list[dict[str, Any]], all_ranks: bool, reports: int
 ) -> None:
     import transformers  # noqa: F401  (in the [test] extra)
 
@@ -237,7 +222,7 @@ def test_transformers_on_another_rank_reports_only_when_asked(
     monkeypatch.setenv("RANK", "1")
     callback = TransformersReportCallback(all_ranks=all_ranks)
     callback.on_log(None, _hf_state(is_world_process_zero=False), None, logs={"loss": 1.0})  # type: ignore[arg-type]
-    assert [(r["rank"], r["total_steps"]) for r in sent] == [(1, 10)] * reports
+    assert [(r["rank"], r["total_steps"]) for r in sent_metrics] == [(1, 10)] * reports
 
 
 # -- without the frameworks --------------------------------------------------------------------------

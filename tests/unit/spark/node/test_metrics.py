@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -15,45 +14,27 @@ from airflow_provider_torchdist.spark.node.metrics import RECORD_FIELDS, format_
 from airflow_provider_torchdist.spark.wire.protocol import Metric, decode, encode
 
 
-class FakeClient:
-    """Stands in for the rank's connection to the driver: keeps what it is sent."""
-
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-
-    def send(self, message: Metric) -> bool:
-        self.records.append(message.record)
-        return True
-
-
-@pytest.fixture
-def sent(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
-    monkeypatch.setenv("RANK", "0")
-    client = FakeClient()
-    rank_context.set_client(client)  # type: ignore[arg-type]
-    yield client.records
-    rank_context.set_client(None)
-
-
-def test_a_record_carries_total_steps_after_its_own_fields(sent: list[dict[str, Any]]) -> None:
+def test_a_record_carries_total_steps_after_its_own_fields(sent_metrics: list[dict[str, Any]]) -> None:
     report(step=3, total_steps=10, loss=torch.tensor(0.25), lr=0.01)
-    (record,) = sent
+    (record,) = sent_metrics
     assert list(record) == ["rank", "step", "time", "total_steps", "loss", "lr"]
     assert record["total_steps"] == 10 and record["loss"] == 0.25
     assert format_metrics(record) == "rank 0 step 3/10: loss=0.25 lr=0.01"
 
 
-def test_without_total_steps_the_record_has_no_such_field(sent: list[dict[str, Any]]) -> None:
+def test_without_total_steps_the_record_has_no_such_field(sent_metrics: list[dict[str, Any]]) -> None:
     report(step=3, loss=0.5)
-    (record,) = sent
+    (record,) = sent_metrics
     assert "total_steps" not in record
     assert format_metrics(record) == "rank 0 step 3: loss=0.5"
 
 
 @pytest.mark.parametrize("total", [np.int64(7), torch.tensor(7)])
-def test_an_integer_scalar_is_a_total_and_arrives_as_int(sent: list[dict[str, Any]], total: Any) -> None:
+def test_an_integer_scalar_is_a_total_and_arrives_as_int(
+    sent_metrics: list[dict[str, Any]], total: Any
+) -> None:
     report(step=1, total_steps=total, loss=1.0)
-    assert type(sent[0]["total_steps"]) is int and sent[0]["total_steps"] == 7
+    assert type(sent_metrics[0]["total_steps"]) is int and sent_metrics[0]["total_steps"] == 7
 
 
 @pytest.mark.parametrize(
@@ -75,19 +56,19 @@ def test_a_bad_total_is_refused_on_every_rank(
 
 
 @pytest.mark.parametrize("name", ["rank", "time"])
-def test_a_record_field_cannot_be_a_metric_name(sent: list[dict[str, Any]], name: str) -> None:
+def test_a_record_field_cannot_be_a_metric_name(sent_metrics: list[dict[str, Any]], name: str) -> None:
     with pytest.raises(ValueError, match=f"'{name}' cannot be a metric name: rank, step, time, total_steps"):
         report(step=1, **{name: 1.0})
-    assert sent == []
+    assert sent_metrics == []
 
 
 def test_other_ranks_report_only_when_asked(
-    monkeypatch: pytest.MonkeyPatch, sent: list[dict[str, Any]]
+    monkeypatch: pytest.MonkeyPatch, sent_metrics: list[dict[str, Any]]
 ) -> None:
     monkeypatch.setenv("RANK", "1")
     report(step=1, total_steps=2, loss=1.0)
     report(step=1, total_steps=2, all_ranks=True, loss=1.0)
-    assert [(r["rank"], r["total_steps"]) for r in sent] == [(1, 2)]
+    assert [(r["rank"], r["total_steps"]) for r in sent_metrics] == [(1, 2)]
 
 
 def test_without_a_driver_the_report_is_printed(
