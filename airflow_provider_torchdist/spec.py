@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_CONN_ID = "spark_default"
+#: More ranks than any Spark cluster could schedule as one barrier stage: a typo, not a job.
+MAX_NUM_PROCESSES = 100_000
 DEFAULT_MAX_XCOM_OUTPUT_BYTES = 4 * 1024 * 1024
 
 #: Who takes a setting: both the operator and the hook (``run``), or the operator only (``xcom``:

@@ -9,11 +9,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
+from airflow_provider_torchdist.spec import MAX_NUM_PROCESSES as MAX_NUM_PROCESSES  # checked here
 from airflow_provider_torchdist.submit.staging import check_script_name
 from airflow_provider_torchdist.submit.train_module import module_name
 
-#: More ranks than any Spark cluster could schedule as one barrier stage: a typo, not a job.
-MAX_NUM_PROCESSES = 100_000
 #: More ranks than one machine (one Spark task, or the driver in local mode) could sensibly run.
 MAX_NPROC_PER_NODE = 1024
 #: The longest timeout accepted, in seconds (a week): each bounds a wait that means something is wrong.

@@ -12,7 +12,7 @@ from typing import Any
 from airflow_provider_torchdist.spark.wire.connect_ids import split_operation
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
 from airflow_provider_torchdist.spark.wire.output_store import FORMATS
-from airflow_provider_torchdist.submit.validation import MAX_NUM_PROCESSES
+from airflow_provider_torchdist.spec import MAX_NUM_PROCESSES
 from airflow_provider_torchdist.supervision.lifeline.messages import (
     ENDED_STATES,
     ERROR_KINDS,

@@ -628,3 +628,17 @@ def test_the_supervisors_log_lines_reach_its_owners_escaped_without_the_drivers_
     finally:
         structlog.configure(**saved)
     assert lines == ["Exception in thread main: bad \\x1b[2J conf"]
+
+
+def test_the_supervisor_starts_without_importing_airflow() -> None:
+    """Airflow (3 s of imports under load) comes with the Spark provider, when the submission is
+    made; the supervisor's address must not wait for it (it once did, through lifeline.status ->
+    submit.validation -> errors)."""
+    import subprocess
+
+    code = (
+        "import sys, airflow_provider_torchdist.supervision.supervisor; "
+        "print(sorted(m for m in sys.modules if m == 'airflow' or m.startswith('airflow.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
