@@ -94,8 +94,11 @@ class TrainingSpec:
         templated=True,
         check="positive_int",
     )
+    # 60, not 20: over Spark Connect the wait includes the executors' Python workers starting, and
+    # a cold server's first job took over 20 s for that on a loaded machine; failing a healthy run
+    # is worse than a too-small cluster's failure coming 40 s later.
     slot_timeout: float = setting(
-        20.0,
+        60.0,
         "seconds to wait for executors to offer the barrier stage's slots when the cluster's "
         "capacity is unknown.",
         check="float_timeout",
