@@ -30,7 +30,7 @@ from tests.integration.test_run_lifetime import (
     _gate,
     _retry_reattaches_and_trains_once,
     _supervisor_of,
-    _training,
+    _trigger_until_training,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_supervisor_left")]
@@ -106,8 +106,7 @@ def test_a_deferrable_run_over_connect_trains_while_the_task_is_deferred_then_su
     gate = _gate(tmp_path)
     dag = "lifetime_connect_deferrable"
     before = set(supervisors())
-    run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
-    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    run_id = _trigger_until_training(deployment, dag, gate)
     deployment.wait_trigger(dag, run_id, "train")
     # The task has deferred (its process is gone): the run's supervisor is the one of this
     # deployment that appeared.
@@ -133,8 +132,7 @@ def test_sigkill_of_a_durable_task_over_connect_is_survived_and_the_retry_reatta
 ) -> None:
     gate = _gate(tmp_path)
     dag = "lifetime_connect_durable"
-    run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
-    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    run_id = _trigger_until_training(deployment, dag, gate)
     task = deployment.task_pid(dag, run_id, "train")
     supervisor = _supervisor_of(task)
     _assert_ranks_on_the_connect_server(gate, connect_server, supervisor)

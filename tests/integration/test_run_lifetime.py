@@ -53,8 +53,7 @@ def test_sigkill_of_a_non_durable_task_leaves_nothing_of_its_run_within_15_s(
     deployment: Deployment, tmp_path: Path
 ) -> None:
     gate = _gate(tmp_path)
-    run_id = deployment.trigger("lifetime_nondurable", {"gate_dir": str(gate)})
-    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    run_id = _trigger_until_training(deployment, "lifetime_nondurable", gate)
     task = deployment.task_pid("lifetime_nondurable", run_id, "train")
     supervisor = _supervisor_of(task)
     staging = Path(supervisor.cmdline()[-1])
@@ -73,8 +72,7 @@ def test_sigkill_of_a_durable_task_is_survived_and_the_retry_reattaches(
 ) -> None:
     gate = _gate(tmp_path)
     dag = "lifetime_durable"
-    run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
-    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    run_id = _trigger_until_training(deployment, dag, gate)
     task = deployment.task_pid(dag, run_id, "train")
     supervisor = _supervisor_of(task)
     os.kill(task, signal.SIGKILL)
@@ -82,6 +80,13 @@ def test_sigkill_of_a_durable_task_is_survived_and_the_retry_reattaches(
     log = _retry_reattaches_and_trains_once(deployment, dag, run_id, task, supervisor, gate)
     assert "before-gate rank 0" in log and "after-gate rank 0" in log, log[-3000:]
     wait_for(lambda: not supervisor.is_running(), 30, "the supervisor to end after release", interval=0.2)
+
+
+def _trigger_until_training(deployment: Deployment, dag: str, gate: Path) -> str:
+    """Trigger ``dag`` with ``gate``; returns the run id once both ranks train (held at the gate)."""
+    run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
+    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    return run_id
 
 
 def _retry_reattaches_and_trains_once(
@@ -124,8 +129,7 @@ def test_a_deferrable_run_trains_while_the_task_is_deferred_then_succeeds(
 ) -> None:
     gate = _gate(tmp_path)
     dag = "lifetime_deferrable"
-    run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
-    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    run_id = _trigger_until_training(deployment, dag, gate)
     deployment.wait_trigger(dag, run_id, "train")
     assert _supervisor_for(gate).is_running()
     (gate / "release").touch()
@@ -141,8 +145,7 @@ def test_mark_failed_while_deferred_leaves_nothing_of_the_run_within_15_s(
 ) -> None:
     gate = _gate(tmp_path)
     dag = "lifetime_deferrable"
-    run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
-    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    run_id = _trigger_until_training(deployment, dag, gate)
     deployment.wait_trigger(dag, run_id, "train")
     supervisor = _supervisor_for(gate)
     staging = Path(supervisor.cmdline()[-1])
@@ -183,8 +186,7 @@ def test_a_durable_run_nobody_comes_back_for_is_torn_down_after_reattach_timeout
 def test_a_triggerer_restart_mid_run_does_not_fail_the_run(deployment: Deployment, tmp_path: Path) -> None:
     gate = _gate(tmp_path)
     dag = "lifetime_deferrable"
-    run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
-    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    run_id = _trigger_until_training(deployment, dag, gate)
     before = deployment.wait_trigger(dag, run_id, "train")["triggerer_job"]["id"]
     supervisor = _supervisor_for(gate)
 
@@ -205,8 +207,7 @@ def test_a_retry_without_the_record_is_refused_by_the_live_runs_checkpoint_lock(
 ) -> None:
     gate = _gate(tmp_path)
     dag = "lifetime_locked"
-    run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
-    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    run_id = _trigger_until_training(deployment, dag, gate)
     task = deployment.task_pid(dag, run_id, "train")
     supervisor = _supervisor_of(task)
     staging = Path(supervisor.cmdline()[-1])

@@ -136,19 +136,8 @@ def test_worker_lost_mid_training_fails_the_run_clearly_and_leaves_nothing(
     tmp_path: Path,
     no_leftovers: None,
 ) -> None:
-    conn = {"conn_type": "spark", "host": f"spark://{cluster.master_host}", "port": cluster.master_port}
-    monkeypatch.setenv("AIRFLOW_CONN_SPARK_WORKER_LOSS", json.dumps(conn))
-    hook = TorchDistributorHook(
-        num_processes=2,
-        conn_id="spark_worker_loss",
-        conf={
-            "spark.driver.host": DRIVER_HOST,
-            "spark.driver.bindAddress": DRIVER_HOST,
-            "spark.executor.memory": "512m",
-            "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
-            **(HEARTBEAT_TIMEOUT_15S if how == "frozen" else {}),
-        },
-        env_vars={"SPARK_LOCAL_IP": DRIVER_HOST},
+    hook = _cluster_hook(
+        cluster, monkeypatch, extra_conf=HEARTBEAT_TIMEOUT_15S if how == "frozen" else {}, num_processes=2
     )
     errors: list[BaseException] = []
     result: list[object] = []
@@ -223,8 +212,12 @@ def test_worker_lost_mid_training_fails_the_run_clearly_and_leaves_nothing(
 
 
 def _cluster_hook(
-    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, **settings: object
+    cluster: ClusterInfo,
+    monkeypatch: pytest.MonkeyPatch,
+    extra_conf: dict[str, str] | None = None,
+    **settings: object,
 ) -> TorchDistributorHook:
+    """A hook on the netns cluster's master, its driver on the test host (``extra_conf`` on top)."""
     conn = {"conn_type": "spark", "host": f"spark://{cluster.master_host}", "port": cluster.master_port}
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_WORKER_LOSS", json.dumps(conn))
     return TorchDistributorHook(
@@ -234,6 +227,7 @@ def _cluster_hook(
             "spark.driver.bindAddress": DRIVER_HOST,
             "spark.executor.memory": "512m",
             "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+            **(extra_conf or {}),
         },
         env_vars={"SPARK_LOCAL_IP": DRIVER_HOST},
         **settings,  # type: ignore[arg-type]
