@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import threading
 import time
@@ -40,6 +41,7 @@ from airflow_provider_torchdist.spark.driver.spark_context import (
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spark.wire.outcome import Outcome
+from airflow_provider_torchdist.spark.wire.parent_death import die_with_parent
 
 LOCAL_HOST = "127.0.0.1"
 
@@ -260,7 +262,12 @@ def finish(outcome: Outcome, staging: Path) -> int:
 
 
 def run_and_exit(argv: list[str]) -> None:
-    """The driver script's entry: run, then exit with the run's code."""
+    """The driver script's entry: run, then exit with the run's code.
+
+    The driver goes when spark-submit's JVM goes (it is the JVM's child): a JVM ended by its
+    supervisor's death, or killed outright, must not leave local ranks training for nobody.
+    """
+    die_with_parent(signal.SIGTERM)
     code = main(argv)
     emit("driver_exit", code=code)
     sys.stdout.flush()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import signal
 import subprocess
 import threading
 
@@ -15,6 +16,7 @@ import psutil
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 
 from airflow_provider_torchdist.spark.wire.events import emit
+from airflow_provider_torchdist.spark.wire.parent_death import signal_on_parent_death
 from airflow_provider_torchdist.submit.connection import connection_in_environment
 from airflow_provider_torchdist.submit.plan import SubmitPlan
 from airflow_provider_torchdist.submit.properties import write_private_properties
@@ -76,7 +78,13 @@ class Submission:
                 if key not in CONNECT_CLIENT_ENV
             }
             self._hook.submit(
-                self.plan.application, start_new_session=True, stdin=subprocess.DEVNULL, env=env
+                self.plan.application,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                # spark-submit goes when this thread's process dies (a SIGKILLed supervisor too):
+                # the kernel signals it, whatever became of this PID (its driver follows it).
+                preexec_fn=signal_on_parent_death(signal.SIGTERM),
             )
         finally:
             emit("spark_submit_end")

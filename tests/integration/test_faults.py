@@ -126,3 +126,34 @@ def _catch(errors: list[BaseException], fn, *args) -> None:
         fn(*args)
     except BaseException as exc:  # noqa: BLE001 - handed to the test thread
         errors.append(exc)
+
+
+@pytest.mark.parametrize("local_mode", MODES)
+def test_a_sigkilled_supervisor_leaves_nothing_of_its_run_running(local_mode: bool, tmp_path: Path) -> None:
+    """The supervisor is SIGKILLed while the ranks train (an OOM kill, a lost container): nobody is
+    left to end spark-submit's session, so the kernel must: spark-submit gets SIGTERM when the
+    supervisor dies, its driver when the JVM goes, the ranks when their agent goes. Nothing of the
+    run is left 20 s later, checked by PID."""
+    import psutil
+
+    from tests.integration.run_processes import SUPERVISOR_MODULE
+
+    hook = TorchDistributorHook(num_processes=2, local_mode=local_mode)
+    hook.start_run(sleep_forever, [str(tmp_path)], {}, durable=True, reattach_timeout=300.0)
+    hook.detach()  # a durable run without an owner waits for one: only the supervisor's death ends it
+    (supervisor,) = [p for p in psutil.Process().children() if SUPERVISOR_MODULE in " ".join(p.cmdline())]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.2)
+    run = supervisor.children(recursive=True)
+    rank_pids = {int((tmp_path / f"rank{r}").read_text()) for r in (0, 1)}
+    assert any("SparkSubmit" in " ".join(p.cmdline()) for p in run), [p.cmdline()[:3] for p in run]
+
+    supervisor.kill()
+    supervisor.wait(10)
+    gone, alive = psutil.wait_procs(run, timeout=20)
+    assert not alive, (
+        f"left running after the supervisor's SIGKILL: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
+    )
+    assert not any(is_alive(pid) for pid in rank_pids), "a rank outlived its supervisor"

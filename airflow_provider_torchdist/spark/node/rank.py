@@ -6,7 +6,6 @@ starts in milliseconds. Everything a rank prints goes through :class:`OutputCapt
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 import runpy
@@ -22,11 +21,11 @@ from airflow_provider_torchdist.spark.node import rank_context
 from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
 from airflow_provider_torchdist.spark.node.output_capture import OutputCapture
 from airflow_provider_torchdist.spark.node.rank_output import send_output
+from airflow_provider_torchdist.spark.wire import parent_death
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spark.wire.protocol import WorldSize, rank_prefix
 
-_PR_SET_PDEATHSIG = 1
 _HERE = os.path.dirname(__file__)
 
 
@@ -35,12 +34,7 @@ def die_with_parent() -> None:
 
     A rank must never outlive its agent: an orphan keeps holding GPUs and ports.
     """
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
+    parent_death.die_with_parent(signal.SIGKILL)
 
 
 def rank_thread_count(
