@@ -75,7 +75,7 @@ def baseline_variants(rev: str, tree: Path) -> list[Variant]:
     return [
         Variant(f"{v.name}@base", f"{v.label}, at {rev}", v.command, v.check, {"PYTHONPATH": str(tree)}, tree)
         for v in VARIANTS
-        if v.name in ("hook_local", "hook_distributed")
+        if v.name in ("hook_local", "hook_distributed", "hook_supervised")
     ]
 
 
@@ -281,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         tree = Path(tempfile.mkdtemp(prefix="bench-baseline-")) / "tree"
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.baseline], cwd=REPO, check=True)
+        # Compiled as scripts/install compiles this checkout: with PYTHONDONTWRITEBYTECODE set (the
+        # bench sets it), an uncompiled tree would pay for compiling every module in every process.
+        subprocess.run(
+            [PYTHON, "-m", "compileall", "-q", str(tree / "airflow_provider_torchdist")], check=True
+        )
         variants += [
             v
             for v in baseline_variants(args.baseline, tree)

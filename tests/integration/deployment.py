@@ -411,7 +411,7 @@ def start_deployment(
         "AIRFLOW_HOME": str(home),
         "AIRFLOW_PORT": str(port),
         "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-        # The tasks' Connect session ids (spark.connect_driver.session_cache): the deployment's own.
+        # The tasks' Connect session ids (spark.connect.sessions.session_cache): the deployment's own.
         "XDG_CACHE_HOME": str(home / "cache"),
         "TORCHDIST_NO_LOGIN": "1",
         "READY_TIMEOUT": str(READY_TIMEOUT),

@@ -101,11 +101,19 @@ def spark_driver(spec: JobSpec) -> Iterator[tuple[Any, str, Callable[[], None]]]
 
 
 def open_run(
-    channel: RunChannel, sc: Any, spec: JobSpec, staging: Path, group: str, *, mode: str, min_nodes: int
+    channel: RunChannel,
+    sc: Any,
+    spec: JobSpec,
+    staging: Path,
+    group: str,
+    *,
+    mode: str,
+    min_nodes: int,
+    what: str = "training",
 ) -> None:
     """What a cluster run does first, its channel open: the channel's address for the hook (which
     follows the run as its owner), the run's ``mode`` line, the application, the wait for
-    ``min_nodes`` task slots, and the job group its stage runs in."""
+    ``min_nodes`` task slots, and the job group its stage runs in (described as ``what``)."""
     from airflow_provider_torchdist.spark.driver.slots import wait_for_slots
 
     write_channel_address(staging, channel.address)
@@ -114,4 +122,4 @@ def open_run(
         channel.say(channel.rank_filter.announcement())
     channel.application(sc.applicationId, sc.uiWebUrl or None)
     wait_for_slots(sc, min_nodes, spec.slot_timeout, channel.say)
-    sc.setJobGroup(group, f"torchdist training {spec.run_id}", interruptOnCancel=True)
+    sc.setJobGroup(group, f"torchdist {what} {spec.run_id}", interruptOnCancel=True)

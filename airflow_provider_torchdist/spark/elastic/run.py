@@ -61,7 +61,16 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
                 f"task(s) x {spec.nproc_per_node} process(es), join window {spec.join_window}s, "
                 f"max_restarts {spec.max_restarts}"
             )
-            open_run(channel, sc, spec, staging, group, mode=mode, min_nodes=spec.min_nodes)
+            open_run(
+                channel,
+                sc,
+                spec,
+                staging,
+                group,
+                mode=mode,
+                min_nodes=spec.min_nodes,
+                what="elastic training",
+            )
             results, error = elastic_stage(sc, spec, channel, store.address, monitor, staging)
             failures = channel.failures
             if monitor.gave_up:

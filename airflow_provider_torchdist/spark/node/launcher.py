@@ -22,7 +22,12 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from airflow_provider_torchdist.spark.node.network import interface_for_address
-from airflow_provider_torchdist.spark.node.rank import rank_thread_count, run_rank
+from airflow_provider_torchdist.spark.node.rank import (
+    NVML_CUDA_CHECK,
+    NVML_SET_HERE,
+    rank_thread_count,
+    run_rank,
+)
 from airflow_provider_torchdist.spark.node.rendezvous import register as register_rendezvous
 from airflow_provider_torchdist.spark.node.signed_rendezvous import register as register_signed_rendezvous
 from airflow_provider_torchdist.spark.node.signed_rendezvous import use_key
@@ -73,10 +78,6 @@ def elastic_launch_config(
     )
 
 
-#: torch's switch for a ``torch.cuda.is_available()`` that does not initialize CUDA (NVML's answer).
-NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
-
-
 def launch_config(
     spec: JobSpec,
     *,
@@ -97,8 +98,10 @@ def launch_config(
     # LaunchConfig asks torch.cuda.is_available(), which by default starts CUDA in this agent; the
     # ranks it then forks cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess": every
     # use_gpu=True rank failed so on an H100). torch's NVML-based check answers without starting it;
-    # the ranks inherit the setting, which only changes how that question is answered.
-    os.environ.setdefault(NVML_CUDA_CHECK, "1")
+    # that changes only how the question is answered, and only in the agent.
+    if NVML_CUDA_CHECK not in os.environ:
+        # The ranks put it back as the user had it (unset): see rank.restore_cuda_check.
+        os.environ.update({NVML_CUDA_CHECK: "1", NVML_SET_HERE: "1"})
     common: dict[str, Any] = dict(
         run_id=spec.run_id,
         role="trainer",

@@ -29,6 +29,20 @@ from airflow_provider_torchdist.spark.wire.protocol import WorldSize, rank_prefi
 _HERE = os.path.dirname(__file__)
 
 
+#: torch's switch for a ``torch.cuda.is_available()`` that does not initialize CUDA (NVML's answer):
+#: the launcher sets it for torchrun's agent, which forks the ranks (see launcher.launch_config).
+NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+#: Says the launcher set :data:`NVML_CUDA_CHECK` (the user had not), so a rank unsets both.
+NVML_SET_HERE = "TORCHDIST_NVML_CUDA_CHECK_SET"
+
+
+def restore_cuda_check() -> None:
+    """Unset torch's NVML-based CUDA check when the launcher set it for the agent (not the user): the
+    training code's ``torch.cuda.is_available()`` answers as it would under ``torchrun``."""
+    if os.environ.pop(NVML_SET_HERE, None):
+        os.environ.pop(NVML_CUDA_CHECK, None)
+
+
 def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when its parent (the torchrun agent) dies.
 
@@ -172,6 +186,7 @@ def run_rank(
     ``node`` and ``node_key``: this rank's node and the key it proves its identity with.
     """
     die_with_parent()
+    restore_cuda_check()
     apply_thread_count()
     rank = int(os.environ["RANK"])
     prefix = rank_prefix(rank, host)

@@ -28,11 +28,12 @@ _PRCTL = _prctl()
 
 def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
     """Have the kernel send this process ``sig`` when its parent dies; exit at once when the parent
-    is already gone (it died before this took effect)."""
+    is gone by the time the bond holds."""
     if _PRCTL is None:
         return
+    parent = os.getppid()
     _PRCTL(_PR_SET_PDEATHSIG, int(sig))
-    if os.getppid() == 1:
+    if os.getppid() != parent:  # reparented (to init or a subreaper) before the bond held
         os._exit(1)
 
 
@@ -40,8 +41,12 @@ def signal_on_parent_death(sig: signal.Signals) -> Callable[[], None]:
     """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when the thread that
     started it ends (that thread waits for the child, so only its process's death ends it)."""
 
+    parent = os.getpid()  # the child's parent: this process
+
     def bond() -> None:
         if _PRCTL is not None:
             _PRCTL(_PR_SET_PDEATHSIG, int(sig))
+            if os.getppid() != parent:  # this process died between the fork and the bond
+                os._exit(1)
 
     return bond

@@ -287,10 +287,11 @@ def test_torchruns_cuda_question_does_not_start_cuda_before_the_ranks_fork(tmp_p
     seen on an H100). It must be asked with torch's NVML-based check switched on."""
     import torch
 
-    from airflow_provider_torchdist.spark.node.launcher import NVML_CUDA_CHECK
+    from airflow_provider_torchdist.spark.node.rank import NVML_CUDA_CHECK, NVML_SET_HERE
 
-    monkeypatch.setenv(NVML_CUDA_CHECK, "unset below, restored after")
-    monkeypatch.delenv(NVML_CUDA_CHECK)
+    for name in (NVML_CUDA_CHECK, NVML_SET_HERE):
+        monkeypatch.setenv(name, "unset below, restored after")
+        monkeypatch.delenv(name)
     asked_with = []
     monkeypatch.setattr(
         torch.cuda, "is_available", lambda: asked_with.append(os.environ.get(NVML_CUDA_CHECK))
@@ -303,3 +304,20 @@ def test_torchruns_cuda_question_does_not_start_cuda_before_the_ranks_fork(tmp_p
     launch_config(_spec(use_gpu=True), node_rank=0, host="10.0.0.3", log_dir=str(tmp_path), **where)
     assert asked_with, "LaunchConfig no longer asks torch.cuda.is_available(): this guard can go"
     assert set(asked_with) == {"1"}
+
+
+@pytest.mark.parametrize("users", [None, "0", "1"])
+def test_the_ranks_get_torchs_cuda_check_as_the_user_had_it(tmp_path, monkeypatch, users):
+    """The NVML-based check is the agent's, set for the fork: a rank's training code gets whatever
+    the user had (unset: torch's default check), never the launcher's setting."""
+    from airflow_provider_torchdist.spark.node.rank import NVML_CUDA_CHECK, NVML_SET_HERE, restore_cuda_check
+
+    for name in (NVML_CUDA_CHECK, NVML_SET_HERE):
+        monkeypatch.setenv(name, "unset below, restored after")
+        monkeypatch.delenv(name)
+    if users is not None:
+        monkeypatch.setenv(NVML_CUDA_CHECK, users)
+    launch_config(_spec(use_gpu=True), node_rank=0, master=None, host="127.0.0.1", log_dir=str(tmp_path))
+    assert os.environ[NVML_CUDA_CHECK] == (users or "1")  # the agent's, for the fork
+    restore_cuda_check()  # what each rank does first
+    assert os.environ.get(NVML_CUDA_CHECK) == users and NVML_SET_HERE not in os.environ

@@ -3,7 +3,6 @@ dies, however it dies, by no PID of the parent."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -52,29 +51,27 @@ def test_without_the_bond_the_child_would_be_orphaned() -> None:
         child.wait(10)
 
 
-def test_die_with_parent_exits_at_once_when_the_parent_is_already_gone() -> None:
-    """A process whose parent died before it asked (it was reparented to init) exits right away."""
-    code = (
-        "import os, sys, time\n"
-        "if os.fork():\n"
-        "    os._exit(0)\n"  # the parent goes at once
-        "time.sleep(0.5)\n"
-        "from airflow_provider_torchdist.spark.wire.parent_death import die_with_parent\n"
-        "open(sys.argv[1], 'w').write(str(os.getppid()))\n"
-        "die_with_parent()\n"
-        "open(sys.argv[1], 'a').write(' still here')\n"
+def test_a_process_that_asked_to_die_with_its_parent_does() -> None:
+    """``die_with_parent`` in the child itself (the driver, a rank): the parent's SIGKILL ends it."""
+    code = textwrap.dedent(
+        """
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", (
+            "import time\\n"
+            "from airflow_provider_torchdist.spark.wire.parent_death import die_with_parent\\n"
+            "die_with_parent()\\n"
+            "print('bonded', flush=True)\\n"
+            "time.sleep(120)\\n"
+        )], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "bonded"
+        print(child.pid, flush=True)
+        time.sleep(120)
+        """
     )
-    out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"parent-death-{os.getpid()}")
-    try:
-        subprocess.run([sys.executable, "-c", code, out], check=True)
-        deadline = time.monotonic() + 10
-        while not os.path.exists(out) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)
-        text = open(out).read()
-    finally:
-        if os.path.exists(out):
-            os.unlink(out)
-    if not text.startswith("1"):
-        pytest.skip(f"orphans go to a subreaper here (parent {text}), not init: nothing to check")
-    assert "still here" not in text
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = psutil.Process(int(parent.stdout.readline()))
+    parent.kill()
+    parent.wait()
+    gone, alive = psutil.wait_procs([child], timeout=10)
+    assert not alive
