@@ -234,8 +234,8 @@ PACKAGE_DIR = Path(airflow_provider_torchdist.__file__).parent
 ALLOWED_PRIVATE_ACCESS = {
     # Our own RunChannel, named ``channel`` inside the request handler class it defines.
     ("spark/driver/channel.py", "channel._serve"),
-    # os._exit: a documented function; the driver and ranks leave without interpreter teardown.
-    ("spark/node/rank.py", "os._exit"),
+    # os._exit: a documented function; a process whose parent is gone leaves without teardown.
+    ("spark/wire/parent_death.py", "os._exit"),
     # The one seam into another package: Spark's JVM through py4j (PySpark's StatusTracker stops at
     # job and stage counts). Every distributed integration run goes through it.
     ("spark/driver/jvm_status.py", "sc._jsc"),

@@ -266,6 +266,9 @@ def test_run_returns_rank0_value_and_cleans_up(tmp_path, fake_spark):
     assert hook.run(_add, 2, b=3) == {"sum": 5}
     # Its own session (a kill reaches every process of the run), and nothing of ours on its stdin.
     env = fake_spark.kwargs.pop("env")
+    # And it goes when the thread that started it dies, this process killed too (parent_death).
+    bond = fake_spark.kwargs.pop("preexec_fn")
+    assert callable(bond) and bond.__qualname__ == "signal_on_parent_death.<locals>.bond"
     assert fake_spark.kwargs == {"start_new_session": True, "stdin": subprocess.DEVNULL}
     # The plan's environment reaches spark-submit through Popen, over this process's.
     assert {k: env[k] for k in hook.plan.env} == hook.plan.env and env["PATH"] == hook.plan.env["PATH"]
