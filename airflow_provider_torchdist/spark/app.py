@@ -267,7 +267,7 @@ def run_and_exit(argv: list[str]) -> None:
     The driver goes when spark-submit's JVM goes (it is the JVM's child): a JVM ended by its
     supervisor's death, or killed outright, must not leave local ranks training for nobody.
     """
-    die_with_parent(signal.SIGTERM)
+    die_with_parent(signal.SIGTERM, parent_may_be_init=True)
     code = main(argv)
     emit("driver_exit", code=code)
     sys.stdout.flush()

@@ -26,14 +26,16 @@ def _prctl() -> Callable[..., int] | None:
 _PRCTL = _prctl()
 
 
-def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
+def die_with_parent(sig: signal.Signals = signal.SIGKILL, *, parent_may_be_init: bool = False) -> None:
     """Have the kernel send this process ``sig`` when its parent dies; exit at once when the parent
     is gone by the time the bond holds."""
     if _PRCTL is None:
         return
     parent = os.getppid()
     _PRCTL(_PR_SET_PDEATHSIG, int(sig))
-    if os.getppid() != parent:  # reparented (to init or a subreaper) before the bond held
+    # Reparented before the bond held; or already an orphan of init, unless the parent may truly be
+    # PID 1 (spark-submit's JVM as a container's entry point).
+    if os.getppid() != parent or (parent == 1 and not parent_may_be_init):
         os._exit(1)
 
 
