@@ -20,6 +20,7 @@ from tests.cluster.daemons import (
     fetch_master_json,
     find_spark_home,
     is_spark_daemon,
+    registered_worker_ids,
     start_master,
     start_worker,
     stop_daemons,
@@ -195,10 +196,11 @@ def restart_lost_workers(info: ClusterInfo, timeout: float = 90.0, daemon_memory
 
     Returns the indexes of the Workers started again.
     """
+    lost = [w for w in info.workers if not is_alive(w.pid)]
+    # Taken before any restart: the ids the lost Workers registered under, which must not count.
+    replaced = registered_worker_ids(info, {w.host for w in lost}) if lost else frozenset()
     restarted = []
-    for w in info.workers:
-        if is_alive(w.pid):
-            continue
+    for w in lost:
         if w.netns:
             for pid in netns_pids(w.netns):
                 with contextlib.suppress(OSError):
@@ -207,7 +209,7 @@ def restart_lost_workers(info: ClusterInfo, timeout: float = 90.0, daemon_memory
         restarted.append(w.index)
     if restarted:
         write_state(info)
-        wait_registered(info, time.monotonic() + timeout, {}, {})
+        wait_registered(info, time.monotonic() + timeout, {}, {}, replaced)
     return restarted
 
 

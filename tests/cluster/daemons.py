@@ -176,17 +176,28 @@ def wait_master_alive(
 
 
 def wait_registered(
-    info: ClusterInfo, deadline: float, procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, str]
+    info: ClusterInfo,
+    deadline: float,
+    procs: dict[str, subprocess.Popen[bytes]],
+    logs: dict[str, str],
+    replaced: frozenset[str] = frozenset(),
 ) -> None:
-    """Wait until every Worker is registered with the Master and ALIVE."""
+    """Wait until every Worker is registered with the Master and ALIVE.
+
+    ``replaced``: the ids of Workers that were lost and started again. The Master may still list a
+    lost Worker as ALIVE for a moment after its JVM died; counting it would let the wait return before
+    its replacement registered, and the next run would find one host's slots missing. So those ids
+    must be gone from the ALIVE list, and a new id must stand for their host.
+    """
     want = sorted(info.worker_hosts)
     seen: list[str] = []
     while True:
         _check_procs(procs, logs)
         status = fetch_master_json(info.master_ui_url)
         if status is not None:
-            seen = sorted(w["host"] for w in status.get("workers", []) if w.get("state") == "ALIVE")
-            if seen == want:
+            alive = [w for w in status.get("workers", []) if w.get("state") == "ALIVE"]
+            seen = sorted(w["host"] for w in alive if w.get("id") not in replaced)
+            if seen == want and not any(w.get("id") in replaced for w in alive):
                 return
         if time.monotonic() > deadline:
             tails = "\n".join(f"--- {name} ({path}):\n{log_tail(path, 10)}" for name, path in logs.items())
@@ -196,6 +207,12 @@ def wait_registered(
                 f"{'answered' if status is not None else 'did not answer'}.\n{tails}"
             )
         time.sleep(0.1)
+
+
+def registered_worker_ids(info: ClusterInfo, hosts: set[str]) -> frozenset[str]:
+    """The ids the Master lists (in any state) for Workers on ``hosts``."""
+    status = fetch_master_json(info.master_ui_url) or {}
+    return frozenset(w["id"] for w in status.get("workers", []) if w.get("host") in hosts and "id" in w)
 
 
 def is_spark_daemon(pid: int) -> bool:

@@ -260,6 +260,12 @@ def train_elastic(marker_dir: str, steps: int) -> dict[str, int]:
     return {"rank": rank, "world_size": world, "resumed_from": start}
 
 
+#: The join window of the "1:2" runs, whose first group must hold both nodes: on a loaded machine the
+#: second executor can register seconds after the first. A window costs nothing once MAX nodes joined;
+#: after a loss, the survivor waits it out before it goes on alone.
+JOIN_BOTH_S = 8
+
+
 def _run_in_thread(hook: TorchDistributorHook, *args: object) -> tuple[threading.Thread, list, list]:
     result: list[object] = []
     errors: list[BaseException] = []
@@ -313,7 +319,7 @@ def test_elastic_run_survives_losing_the_host_of_rank_0(
         cluster,
         monkeypatch,
         num_processes="1:2",
-        join_window=2,
+        join_window=JOIN_BOTH_S,
         max_restarts=2,
         checkpoint_dir=str(tmp_path / "ckpt"),
     )
@@ -396,7 +402,7 @@ def test_elastic_run_grows_back_when_the_lost_host_returns(
         cluster,
         monkeypatch,
         num_processes="1:2",
-        join_window=2,
+        join_window=JOIN_BOTH_S,
         max_restarts=3,
         checkpoint_dir=str(tmp_path / "ckpt"),
     )

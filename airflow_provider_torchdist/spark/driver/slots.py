@@ -40,7 +40,9 @@ def wait_for_slots(
     On a cluster, executors register over the first seconds. Without knowing the cluster's size,
     the wait ends ``settle`` seconds after the last executor arrived (a standalone master grants
     every executor it can at once, so a count that stopped growing is what the cluster offers),
-    and at ``timeout`` at the latest (an empty count keeps waiting for slow YARN or Kubernetes
+    and at ``timeout`` at the latest. Executors granted together can still register far apart on a
+    loaded cluster, so ``settle`` grows to the time the first executor took to arrive: a straggler
+    gets as long again as the first one needed (an empty count keeps waiting for slow YARN or Kubernetes
     executors until then). Spark's own check would wait about 10 minutes (15 s x 40 tries).
     ``timeout`` None means the cluster is known to fit the stage: wait as long as other work
     holds the slots.
@@ -56,6 +58,8 @@ def wait_for_slots(
             return have
         now = time.monotonic()
         if have != last:
+            if last <= 0 < have:
+                settle = max(settle, now - start)
             last, last_change = have, now
         settled = deadline is not None and have > 0 and now - last_change >= settle
         if sc.master.startswith("local") or settled or (deadline is not None and now >= deadline):

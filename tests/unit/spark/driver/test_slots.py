@@ -58,6 +58,21 @@ def test_too_small_cluster_fails_once_the_count_settles(clock: FakeClock) -> Non
     assert "master-web-ui" in str(info.value)
 
 
+def test_a_straggler_gets_as_long_as_the_first_executor_took(clock: FakeClock) -> None:
+    """On a loaded cluster the first executor took 10 s to register; the second, granted with it,
+    arrives 8 s later: more than the 6 s settle, less than the first one's 10 s."""
+    sc = FakeContext("spark://m:7077", {0: 0, 10: 1, 18: 2}, clock)
+    assert wait_for_slots(sc, 2, 60, lambda text: None, settle=6) == 2
+    assert clock.now == pytest.approx(18, abs=0.3)
+
+
+def test_a_slow_start_still_fails_once_the_longer_settle_passed(clock: FakeClock) -> None:
+    sc = FakeContext("spark://m:7077", {0: 0, 10: 1}, clock)
+    with pytest.raises(SlotsUnavailable, match="has 1"):
+        wait_for_slots(sc, 2, 60, lambda text: None, settle=6)
+    assert 20 <= clock.now <= 20.5  # 10 s after the only executor, not 6 s and not the full 60 s
+
+
 def test_no_executor_yet_waits_up_to_the_timeout(clock: FakeClock) -> None:
     said: list[str] = []
     sc = FakeContext("yarn", {0: 0}, clock)
