@@ -232,13 +232,14 @@ def count_my_rows() -> list[dict]:
 def test_train_data_reaches_ranks_on_two_hosts_without_passing_through_the_driver(
     cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """A Parquet data set of about 600 MB as Arrow, a driver of 512 MB that may collect at most 1 MB:
-    every row reaches exactly one rank, on two hosts, the shards equal."""
+    """A Parquet data set of about 120 MB as Arrow, a driver that may collect at most 1 MB (any
+    partition's rows through the driver would fail the job): every row reaches exactly one rank, on
+    two hosts, the shards equal."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows, files = 15_000_000, 6
+    rows, files = 3_000_000, 6
     data = tmp_path / "data"
     data.mkdir()
     rng = np.random.default_rng(0)
@@ -247,8 +248,7 @@ def test_train_data_reaches_ranks_on_two_hosts_without_passing_through_the_drive
         ids = np.arange(i * per_file, (i + 1) * per_file, dtype=np.int64)
         columns = {"id": ids, **{f"f{j}": rng.random(per_file, dtype=np.float32) for j in range(8)}}
         pq.write_table(pa.table(columns), data / f"part-{i}.parquet", compression="none")
-    arrow_bytes = rows * (8 + 8 * 4)
-    assert arrow_bytes > 512 * 2**20
+    assert rows * (8 + 8 * 4) // files > 2**20 * 10  # each partition far over maxResultSize
 
     hook = cluster_hook(
         monkeypatch,
@@ -296,24 +296,12 @@ def connect_on_cluster(
         server.stop()
 
 
-def test_ranks_on_two_test_hosts_rendezvous_over_spark_connect(
+def test_over_spark_connect_ranks_on_two_test_hosts_rendezvous_and_map_their_tasks_gpus(
     cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """The hook is only the Connect server's client, over 127.0.0.1."""
-    with connect_on_cluster(cluster, monkeypatch) as conn_id:
-        ranks = TorchDistributorHook(conn_id=conn_id, num_processes=2).run(where_ranks_ran)
-    addresses = [r["address"] for r in ranks]
-    assert sorted(addresses) == sorted(cluster.worker_hosts)  # two distinct test hosts
-    text = "".join(capfd.readouterr())
-    assert "distributed mode over Spark Connect" in text
-    for rank, address in enumerate(addresses):
-        assert f"[rank {rank} @ {address}] rank {rank} at {address}" in text  # the channel on the bridge
-
-
-def test_the_gpus_a_connect_servers_tasks_get_become_cuda_visible_devices(
-    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Over Connect the server's settings give each task its resources; the ranks map what it got."""
+    """The hook is only the Connect server's client, over 127.0.0.1, and the server's settings give
+    each task its resources: two runs on one server (a server holds the cluster's executors for as
+    long as it is up, so the runs share it rather than start one each)."""
     gpus = {
         "spark.executor.resource.gpu.amount": "2",
         "spark.task.resource.gpu.amount": "2",
@@ -321,6 +309,14 @@ def test_the_gpus_a_connect_servers_tasks_get_become_cuda_visible_devices(
         "spark.task.cpus": "2",
     }
     with connect_on_cluster(cluster, monkeypatch, gpus) as conn_id:
+        ranks = TorchDistributorHook(conn_id=conn_id, num_processes=2).run(where_ranks_ran)
+        addresses = [r["address"] for r in ranks]
+        assert sorted(addresses) == sorted(cluster.worker_hosts)  # two distinct test hosts
+        text = "".join(capfd.readouterr())
+        assert "distributed mode over Spark Connect" in text
+        for rank, address in enumerate(addresses):
+            assert f"[rank {rank} @ {address}] rank {rank} at {address}" in text  # the channel on the bridge
+
         hook = TorchDistributorHook(conn_id=conn_id, num_processes=4, nproc_per_node=2, use_gpu=True)
         ranks = hook.run(where_ranks_ran)
     for r in ranks:
