@@ -20,7 +20,7 @@ from airflow_provider_torchdist.spark.connect.sessions import planned_session_id
 from airflow_provider_torchdist.spec import DEFAULT_REATTACH_TIMEOUT
 from airflow_provider_torchdist.submit.connect import interrupt_lost_run
 from airflow_provider_torchdist.supervision.lifeline import LifelineError, OwnerConnection, RunStatus
-from airflow_provider_torchdist.supervision.record import RunRecord
+from airflow_provider_torchdist.supervision.record import RunRecord, TaskBinding
 from airflow_provider_torchdist.supervision.task_side import (
     connect_owner,
     end_run,
@@ -55,6 +55,7 @@ class SupervisedRunsMixin:
         *,
         durable: bool = True,
         reattach_timeout: float = DEFAULT_REATTACH_TIMEOUT,
+        task: TaskBinding | None = None,
     ) -> RunRecord:
         """Stage and plan the run, and hand it to a detached supervisor; returns the run's record.
 
@@ -62,6 +63,7 @@ class SupervisedRunsMixin:
         connected as its owner already), and a retry or a trigger can own it later from the
         record. Without an owner, a ``durable=False`` run ends within 15 s; a durable one waits
         ``reattach_timeout`` seconds for the next (see :mod:`~airflow_provider_torchdist.supervision.task_side`).
+        ``task``: the task instance the run belongs to (the operator's); only its owners can own it.
         """
         staged, self._fast = self._prepare(train_object, args, kwargs)
         assert self.plan is not None
@@ -72,6 +74,7 @@ class SupervisedRunsMixin:
             reattach_timeout=reattach_timeout,
             bind_host=lifeline_host(),
             checkpoint_dir=self.spec.checkpoint_dir,
+            task=task,
         )
         self.staged = None  # the supervisor's now: it removes it when the run ends
         if self.target.is_connect and (session_id := planned_session_id(self.target.connect_url or "")):

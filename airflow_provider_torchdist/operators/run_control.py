@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.providers.common.compat.sdk import ResumableJobMixin
 
-from airflow_provider_torchdist.errors import SparkSubmitFailed
+from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed
 from airflow_provider_torchdist.operators.outlet_events import run_extra, set_outlet_extra
 from airflow_provider_torchdist.operators.xcom import (
     link_pusher,
@@ -30,7 +30,7 @@ from airflow_provider_torchdist.supervision.deadline import (
     timeout_error,
     try_deadline,
 )
-from airflow_provider_torchdist.supervision.record import RECORD_KEY, RunRecord
+from airflow_provider_torchdist.supervision.record import RECORD_KEY, RunRecord, TaskBinding
 from airflow_provider_torchdist.supervision.task_side import (
     ACTIVE_STATES,
     GONE,
@@ -52,10 +52,38 @@ AIRFLOW_TRIGGER_TIMEOUT = "Trigger timeout"
 CLEARED = "cleared"
 
 
+def held_record(data: Any, context: Any) -> RunRecord:
+    """A stored run record as this task instance holds it: bound to the task instance from the
+    context, never to whatever the stored data says (see :mod:`~airflow_provider_torchdist.supervision.record`)."""
+    return RunRecord.from_dict(data).bound_to(TaskBinding.of(context.get("ti")))
+
+
 def _cleared_since(record: RunRecord, context: Any) -> bool:
     """Whether the task was cleared since the run started: Airflow raised its ``max_tries``."""
     max_tries = getattr(context.get("ti"), "max_tries", None)
     return record.max_tries is not None and type(max_tries) is int and max_tries > record.max_tries
+
+
+def check_deferral(target_embedded: bool, local_mode: bool, executor: str, log: Any) -> None:
+    """Refuse deferral where it loses the run; warn where it frees less than it seems.
+
+    The supervisor and the client-mode driver run beside the task. On a ``KubernetesExecutor`` pod
+    they die with the pod, which ends when the task defers. With the embedded master or
+    ``local_mode``, the ranks train on the worker machine: deferral frees the worker slot, not
+    the machine's CPUs.
+    """
+    if "KubernetesExecutor" in executor:
+        raise InvalidTrainingConfig(
+            f"deferrable=True cannot work on {executor}: the run's supervisor and Spark driver run in "
+            "this task's pod, which ends when the task defers. Use deferrable=False (a durable run "
+            "still survives a lost task and is reattached by the retry), or a CeleryExecutor worker."
+        )
+    if target_embedded or local_mode:
+        log.warning(
+            "Deferring a run whose ranks train on this worker machine (%s): the worker slot is freed, "
+            "the machine's CPUs are not.",
+            "local_mode" if local_mode else "the embedded Spark master",
+        )
 
 
 class SupervisedRunMixin(ResumableJobMixin):
@@ -78,6 +106,7 @@ class SupervisedRunMixin(ResumableJobMixin):
             self.train_kwargs,
             durable=self.durable,
             reattach_timeout=self._hook_spec().reattach_timeout,
+            task=TaskBinding.of(context["ti"]),
         )
         ti = context["ti"]
         deadline = try_deadline(ti, self.execution_timeout)
@@ -88,7 +117,7 @@ class SupervisedRunMixin(ResumableJobMixin):
     def get_job_status(self, external_id: Any, context: Any) -> str:
         """The stored run's state (``"gone"`` when its supervisor is not there any more). A failed
         run still kept for its owner is ended here, so that its checkpoint lock is free for the next."""
-        record = RunRecord.from_dict(external_id)
+        record = held_record(external_id, context)
         if _cleared_since(record, context):
             # A clear asks for a new run. The old one may not know yet: a deferred task's trigger
             # stops it when the triggerer gets to it, which can be after this try starts.
@@ -120,7 +149,7 @@ class SupervisedRunMixin(ResumableJobMixin):
 
     def poll_until_complete(self, external_id: Any, context: Any) -> Any:
         """Own the run to its end; returns what goes to XCom (the mixin returns this on a reattach)."""
-        self._result = self._follow(RunRecord.from_dict(external_id), context, ended=False)
+        self._result = self._follow(held_record(external_id, context), context, ended=False)
         self._followed = True
         return self._result
 
@@ -128,7 +157,7 @@ class SupervisedRunMixin(ResumableJobMixin):
         if self._followed:
             return self._result
         # An earlier try's run that succeeded and still holds its result: take it over.
-        return self._follow(RunRecord.from_dict(external_id), context, ended=True)
+        return self._follow(held_record(external_id, context), context, ended=True)
 
     # -- deferral ---------------------------------------------------------------------------------
 
@@ -138,7 +167,7 @@ class SupervisedRunMixin(ResumableJobMixin):
         stored = store.get(self.external_id_key) if store is not None else None
         if not stored or not self.durable:
             return None
-        record = RunRecord.from_dict(stored)
+        record = held_record(stored, context)
         state = self.get_job_status(stored, context)
         return record if state in (*ACTIVE_STATES, "succeeded") else None
 
@@ -147,14 +176,14 @@ class SupervisedRunMixin(ResumableJobMixin):
         store = context.get("task_state_store")
         if store is not None:
             store.set(self.external_id_key, record)
-        return RunRecord.from_dict(record)
+        return held_record(record, context)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
         """Back from the trigger: take the run's log, result and metrics as the synchronous path would."""
         self._check_work(at_parse_time=False)
         self._hook = self.make_hook(context)
         state = event.get("state")
-        record = RunRecord.from_dict(event["record"])
+        record = held_record(event["record"], context)
         if state == "timeout":  # the trigger stopped the run at its deadline
             self._end_timed_out(record)
             raise timeout_error(record.run_id, record.deadline, "while the task was deferred")
@@ -179,7 +208,7 @@ class SupervisedRunMixin(ResumableJobMixin):
             store = context.get("task_state_store")
             stored = store.get(self.external_id_key) if store is not None else None
             if stored:
-                record = RunRecord.from_dict(stored)
+                record = held_record(stored, context)
                 self._end_timed_out(record)
                 raise timeout_error(record.run_id, record.deadline, "while the task was deferred")
         return super().resume_execution(next_method, next_kwargs, context)

@@ -21,7 +21,7 @@ from airflow.providers.common.compat.sdk import conf as airflow_conf
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.links import SparkHistoryServerLink, SparkMasterAppLink, SparkUILink
 from airflow_provider_torchdist.operators.lineage import inject_openlineage
-from airflow_provider_torchdist.operators.run_control import SupervisedRunMixin
+from airflow_provider_torchdist.operators.run_control import SupervisedRunMixin, check_deferral
 from airflow_provider_torchdist.operators.xcom import METRICS_XCOM_KEY as METRICS_XCOM_KEY  # public since 0.1
 from airflow_provider_torchdist.operators.xcom import WORLD_SIZES_XCOM_KEY as WORLD_SIZES_XCOM_KEY
 from airflow_provider_torchdist.operators.xcom import (
@@ -42,10 +42,7 @@ from airflow_provider_torchdist.supervision.deadline import (
     TRIGGER_TIMEOUT_MARGIN_S,
     seconds_left,
 )
-from airflow_provider_torchdist.supervision.task_side import (
-    check_deferral,
-    stop_abandoned,
-)
+from airflow_provider_torchdist.supervision.task_side import stop_abandoned
 from airflow_provider_torchdist.triggers.torch_distributor import TorchDistributorTrigger
 
 path_component = run_paths.path_component  # public since 0.1
@@ -208,7 +205,7 @@ class TorchDistributorOperator(SupervisedRunMixin, BaseOperator):
                 raise
             left = seconds_left(record.deadline)
             self.defer(
-                trigger=TorchDistributorTrigger(record.to_dict()),
+                trigger=TorchDistributorTrigger(record.to_dict(), task_binding=record.task),
                 method_name="execute_complete",
                 # The trigger stops the run at its deadline itself; Airflow's trigger timeout, a
                 # little later, fails the task should no triggerer be there to (resume_execution).

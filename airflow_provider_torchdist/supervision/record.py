@@ -7,13 +7,19 @@ start) and, once the job runs, its operation id: with them a retry that finds th
 interrupts the job it left on the server. No secret does: the owner's credential is derived from the run id with the
 deployment's output signing key (:func:`owner_secret`), which every worker and triggerer of the
 deployment holds already, so the record, trigger kwargs and the state store hold nothing to steal.
+
+The credential is also bound to the task instance the run belongs to (:class:`TaskBinding`), which
+the reader takes from where it stands (the try's own task instance, the view's URL), never from the
+record: a record copied into another task instance's state proves nothing there, so its run's
+status, log and metrics are never shown or taken for another task's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import asdict, dataclass, fields, replace
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from airflow_provider_torchdist import __version__
@@ -25,7 +31,8 @@ from airflow_provider_torchdist.spark.wire.connect_ids import (
 )
 
 RECORD_KEY = "torchdist_run"
-RECORD_VERSION = 1
+#: 2: the owner's credential is bound to the task instance (records of 1 are refused, saying so).
+RECORD_VERSION = 2
 #: Set only for a Spark Connect run: the session from its start, the operation once its job reports
 #: (absent from records of earlier releases).
 CONNECT_FIELDS = frozenset({"connect_session_id", "connect_operation_id"})
@@ -34,6 +41,55 @@ CONNECT_FIELDS = frozenset({"connect_session_id", "connect_operation_id"})
 LATEST_DEADLINE = 253402300799.0
 #: Fields a record of an earlier release may lack.
 OPTIONAL_FIELDS = CONNECT_FIELDS | {"deadline", "max_tries"}
+
+
+@dataclass(frozen=True)
+class TaskBinding:
+    """The task instance a run belongs to, as the run's owners prove they act for it.
+
+    Not the try: a durable retry takes over the run an earlier try of the same task instance
+    started, and a deferred try's trigger owns it in the try's stead.
+    """
+
+    dag_id: str
+    run_id: str
+    task_id: str
+    map_index: int = -1
+
+    def __post_init__(self) -> None:
+        names = (self.dag_id, self.run_id, self.task_id)
+        if not all(isinstance(n, str) and n for n in names) or type(self.map_index) is not int:
+            raise ValueError(
+                f"a task binding needs non-empty dag_id, run_id and task_id and an int map_index: {self!r}"
+            )
+
+    @classmethod
+    def of(cls, ti: Any) -> TaskBinding | None:
+        """The binding of Airflow's task instance ``ti``; None when it does not say who it is (a
+        hook used outside a task)."""
+        map_index = getattr(ti, "map_index", -1)
+        try:
+            return cls(
+                getattr(ti, "dag_id", None),  # type: ignore[arg-type]
+                getattr(ti, "run_id", None),  # type: ignore[arg-type]
+                getattr(ti, "task_id", None),  # type: ignore[arg-type]
+                -1 if map_index is None else map_index,
+            )
+        except ValueError:
+            return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TaskBinding:
+        if not isinstance(data, dict) or set(data) != {f.name for f in fields(cls)}:
+            raise ValueError(f"not a task binding: {data!r}")
+        return cls(**data)
+
+    def canonical(self) -> bytes:
+        """What the owner's credential is derived with: unambiguous for any names."""
+        return json.dumps([self.dag_id, self.run_id, self.task_id, self.map_index]).encode()
 
 
 @dataclass(frozen=True)
@@ -57,9 +113,22 @@ class RunRecord:
     #: when a user clears the task: a later try that finds a higher one was asked for a new run,
     #: not for this one.
     max_tries: int | None = None
+    #: The task instance whose owners may own the run: set by whoever holds the record, from where
+    #: it stands (:meth:`bound_to`), never stored with it (see the module docstring).
+    task: TaskBinding | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        del data["task"]
+        return data
+
+    def bound_to(self, task: TaskBinding | None) -> RunRecord:
+        """This record as the task instance ``task`` holds it (None: outside a task)."""
+        return replace(self, task=task)
+
+    def secret(self, key: bytes | None = None) -> bytes:
+        """The credential of this run's owners, as this record's holder derives it."""
+        return owner_secret(self.run_id, key, self.task)
 
     def with_operation(self, operation: str) -> RunRecord:
         """This record with the run's Spark Connect operation (``<session id>/<operation id>``)."""
@@ -84,7 +153,7 @@ class RunRecord:
     @classmethod
     def from_dict(cls, data: Any) -> RunRecord:
         """A record as :meth:`to_dict` stored it; refused, saying why, when it is not one of ours."""
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls)} - {"task"}  # never from storage
         if not isinstance(data, dict) or not names - OPTIONAL_FIELDS <= set(data):
             raise InvalidTrainingConfig(
                 f"The task's stored run record {data!r} is not one this provider wrote (fields {sorted(names)} "
@@ -117,10 +186,12 @@ class RunRecord:
         return record
 
 
-def owner_secret(run_id: str, key: bytes | None = None) -> bytes:
-    """The credential of the run's owners: HMAC-SHA256 of the run id under the signing key."""
+def owner_secret(run_id: str, key: bytes | None = None, task: TaskBinding | None = None) -> bytes:
+    """The credential of the run's owners: HMAC-SHA256 of the run id and the task instance it
+    belongs to (none for a run started outside a task) under the signing key."""
     if key is None:
         from airflow_provider_torchdist.outputs.signing import signing_key
 
         key = signing_key()
-    return hmac.new(key, b"torchdist-owner:" + run_id.encode(), hashlib.sha256).digest()
+    bound = b"" if task is None else b"|task:" + task.canonical()
+    return hmac.new(key, b"torchdist-owner:" + run_id.encode() + bound, hashlib.sha256).digest()

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
+from airflow_provider_torchdist.errors import SparkSubmitFailed, TrainingFailed
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
 from airflow_provider_torchdist.submit.plan import SubmitPlan
@@ -45,7 +45,7 @@ from airflow_provider_torchdist.supervision.lifeline import (
     query_status,
 )
 from airflow_provider_torchdist.supervision.processes import end_session, start_detached
-from airflow_provider_torchdist.supervision.record import RunRecord, owner_secret
+from airflow_provider_torchdist.supervision.record import RunRecord, TaskBinding, owner_secret
 from airflow_provider_torchdist.supervision.sweep import ADDRESS_FILE, SUPERVISOR_FILE, SUPERVISOR_MODULE
 
 #: How long the task waits for its supervisor to listen (it imports, locks, binds: about a second).
@@ -73,30 +73,19 @@ def start_supervisor(
     reattach_timeout: float,
     bind_host: str = "127.0.0.1",
     checkpoint_dir: str | None = None,
+    task: TaskBinding | None = None,
 ) -> RunRecord:
     """Hand the staged run to a detached supervisor; returns its record once it listens.
+
+    ``task``: the task instance the run belongs to; only its owners can own the run (see
+    :mod:`~airflow_provider_torchdist.supervision.record`).
 
     From here the supervisor owns the staging directory. When it cannot start, it is ended, the
     staging directory removed, and :class:`SparkSubmitFailed` says why (another live run of this
     task holding the checkpoint lock, for one).
     """
     run_id = staged.spec.run_id
-    write_private_text(staged.dir / PLAN_FILE, plan.to_json())
-    write_private_text(
-        staged.dir / SUPERVISOR_FILE,
-        json.dumps(
-            {
-                "run_id": run_id,
-                "durable": durable,
-                "reattach_timeout": float(reattach_timeout),
-                "bind_host": bind_host,
-                "checkpoint_dir": checkpoint_dir,
-                # Handed over in a private file: the supervisor does not read Airflow's config.
-                "owner_secret_hex": owner_secret(run_id).hex(),
-                "output_file": str(staged.output_path) if staged.spec.kind == "callable" else None,
-            }
-        ),
-    )
+    _hand_over(staged, plan, durable, reattach_timeout, bind_host, checkpoint_dir, task)
     emit("supervisor_start")
     process = start_detached(
         [sys.executable, "-m", SUPERVISOR_MODULE, str(staged.dir)],
@@ -114,6 +103,7 @@ def start_supervisor(
                 port=address["port"],
                 durable=durable,
                 reattach_timeout=float(reattach_timeout),
+                task=task,
             )
         code = process.poll()
         if code is not None or time.monotonic() > deadline:
@@ -123,6 +113,35 @@ def start_supervisor(
             staged.cleanup()
             raise SparkSubmitFailed(why)
         time.sleep(0.01)
+
+
+def _hand_over(
+    staged: StagedRun,
+    plan: SubmitPlan,
+    durable: bool,
+    reattach_timeout: float,
+    bind_host: str,
+    checkpoint_dir: str | None,
+    task: TaskBinding | None,
+) -> None:
+    """The supervisor's two private files in the staging directory: the plan, and its settings."""
+    run_id = staged.spec.run_id
+    write_private_text(staged.dir / PLAN_FILE, plan.to_json())
+    write_private_text(
+        staged.dir / SUPERVISOR_FILE,
+        json.dumps(
+            {
+                "run_id": run_id,
+                "durable": durable,
+                "reattach_timeout": float(reattach_timeout),
+                "bind_host": bind_host,
+                "checkpoint_dir": checkpoint_dir,
+                # Handed over in a private file: the supervisor does not read Airflow's config.
+                "owner_secret_hex": owner_secret(run_id, task=task).hex(),
+                "output_file": str(staged.output_path) if staged.spec.kind == "callable" else None,
+            }
+        ),
+    )
 
 
 def supervisor_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -165,9 +184,7 @@ def _start_failure(staging: Path, code: int | None) -> str:
 
 def connect_owner(record: RunRecord, *, kind: str = "task", since: int = 0) -> OwnerConnection:
     """Become the run's owner: a lifeline to its supervisor, authenticated both ways."""
-    return OwnerConnection(
-        record.host, record.port, record.run_id, owner_secret(record.run_id), kind=kind, since=since
-    )
+    return OwnerConnection(record.host, record.port, record.run_id, record.secret(), kind=kind, since=since)
 
 
 def follow_to_end(
@@ -203,7 +220,7 @@ def run_state(record: RunRecord) -> str:
     run's supervisor (wrong credentials): that is never taken for a run to reattach to.
     """
     try:
-        return query_status(record.host, record.port, record.run_id, owner_secret(record.run_id)).state
+        return query_status(record.host, record.port, record.run_id, record.secret()).state
     except RunGone:
         return GONE
 
@@ -237,28 +254,6 @@ def stop_abandoned(record: RunRecord, retry_coming: bool, log: Any) -> None:
         log.warning("Could not stop run %s: %s", record.run_id, exc)
 
 
-def check_deferral(target_embedded: bool, local_mode: bool, executor: str, log: Any) -> None:
-    """Refuse deferral where it loses the run; warn where it frees less than it seems.
-
-    The supervisor and the client-mode driver run beside the task. On a ``KubernetesExecutor`` pod
-    they die with the pod, which ends when the task defers. With the embedded master or
-    ``local_mode``, the ranks train on the worker machine: deferral frees the worker slot, not
-    the machine's CPUs.
-    """
-    if "KubernetesExecutor" in executor:
-        raise InvalidTrainingConfig(
-            f"deferrable=True cannot work on {executor}: the run's supervisor and Spark driver run in "
-            "this task's pod, which ends when the task defers. Use deferrable=False (a durable run "
-            "still survives a lost task and is reattached by the retry), or a CeleryExecutor worker."
-        )
-    if target_embedded or local_mode:
-        log.warning(
-            "Deferring a run whose ranks train on this worker machine (%s): the worker slot is freed, "
-            "the machine's CPUs are not.",
-            "local_mode" if local_mode else "the embedded Spark master",
-        )
-
-
 def raise_for_failure(status: RunStatus) -> None:
     """Raise the error an in-process run would have raised for this ended run (nothing if it succeeded)."""
     if status.state == "succeeded":
@@ -270,7 +265,6 @@ def raise_for_failure(status: RunStatus) -> None:
 
 __all__ = [
     "ACTIVE_STATES",
-    "check_deferral",
     "GONE",
     "LifelineError",
     "RunGone",

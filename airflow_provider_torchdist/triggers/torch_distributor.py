@@ -61,7 +61,7 @@ from airflow_provider_torchdist.supervision.lifeline import (
     RunGone,
     RunStatus,
 )
-from airflow_provider_torchdist.supervision.record import RunRecord, owner_secret
+from airflow_provider_torchdist.supervision.record import RunRecord, TaskBinding, owner_secret
 
 CLASSPATH = "airflow_provider_torchdist.triggers.torch_distributor.TorchDistributorTrigger"
 #: The longest wait between two connection attempts.
@@ -87,16 +87,33 @@ class TorchDistributorTrigger(BaseTrigger):
         (``RunRecord.to_dict()``): its id, its supervisor's address and its ``reattach_timeout``.
     :param poll_interval: seconds before the first reconnection attempt; each next wait doubles,
         up to 60 s.
+    :param task_binding: the task instance the run belongs to (a
+        :class:`~airflow_provider_torchdist.supervision.record.TaskBinding`, or its dict): the
+        deferring task's own, which the trigger proves it owns the run for. None only for a run
+        started outside a task.
 
     Example::
 
         self.defer(trigger=TorchDistributorTrigger(record.to_dict()), method_name="execute_complete")
     """
 
-    def __init__(self, record: dict[str, Any], poll_interval: float = 5.0) -> None:
+    def __init__(
+        self,
+        record: dict[str, Any],
+        poll_interval: float = 5.0,
+        task_binding: TaskBinding | dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         # Validated here, in the task, so a bad record fails the defer, not the triggerer.
-        self._record = RunRecord.from_dict(record)
+        try:
+            binding = (
+                task_binding
+                if task_binding is None or isinstance(task_binding, TaskBinding)
+                else TaskBinding.from_dict(task_binding)
+            )
+        except ValueError as exc:
+            raise InvalidTrainingConfig(f"TorchDistributorTrigger's task_binding: {exc}") from None
+        self._record = RunRecord.from_dict(record).bound_to(binding)
         if (
             isinstance(poll_interval, bool)
             or not isinstance(poll_interval, (int, float))
@@ -108,6 +125,7 @@ class TorchDistributorTrigger(BaseTrigger):
                 f"{poll_interval!r}."
             )
         self.record = self._record.to_dict()
+        self.task_binding = None if binding is None else binding.to_dict()
         self.poll_interval = float(poll_interval)
         self._secret: bytes | None = None
         self._connection: AsyncOwnerConnection | None = None
@@ -115,7 +133,11 @@ class TorchDistributorTrigger(BaseTrigger):
         self._final: RunStatus | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return CLASSPATH, {"record": self.record, "poll_interval": self.poll_interval}
+        return CLASSPATH, {
+            "record": self.record,
+            "poll_interval": self.poll_interval,
+            "task_binding": self.task_binding,
+        }
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         try:
@@ -265,7 +287,7 @@ class TorchDistributorTrigger(BaseTrigger):
         if self._secret is None:
             # Reading the key may read a file or run a command ([torchdist] output_signing_key_cmd):
             # never on the event loop.
-            self._secret = await asyncio.to_thread(owner_secret, self._record.run_id)
+            self._secret = await asyncio.to_thread(owner_secret, self._record.run_id, None, self._record.task)
         return self._secret
 
     async def _connect(self, secret: bytes, since: int) -> AsyncOwnerConnection:

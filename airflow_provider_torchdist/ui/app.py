@@ -26,6 +26,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
+from airflow_provider_torchdist.supervision.record import TaskBinding
 from airflow_provider_torchdist.ui.figures import training_figures
 from airflow_provider_torchdist.ui.task_facts import (
     AirflowTaskFacts,
@@ -82,7 +83,7 @@ def create_app() -> FastAPI:
                 status.HTTP_404_NOT_FOUND,
                 f"No task instance {task_id!r} (map index {map_index}) in run {run_id!r} of DAG {dag_id!r}",
             )
-        source, history = metric_history(facts, live)
+        source, history = metric_history(facts, live, TaskBinding(dag_id, run_id, task_id, map_index))
         return training_figures(facts.state, history, facts.world_size, source)
 
     # The UI fills {MAP_INDEX} in only on a mapped task's page: elsewhere it arrives as is.

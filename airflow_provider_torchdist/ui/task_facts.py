@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from airflow_provider_torchdist.operators.xcom import METRICS_XCOM_KEY
-from airflow_provider_torchdist.supervision.record import RECORD_KEY
+from airflow_provider_torchdist.supervision.record import RECORD_KEY, TaskBinding
 from airflow_provider_torchdist.ui.figures import FINISHED_STATES
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ _RENDERED_WORLD_SIZE = re.compile(r"\s*(?:[0-9]+\s*:\s*)?([0-9]+)\s*")
 LIVE_TIMEOUT_S = 3.0
 
 #: ``live_history``'s signature: a stored run record in, the run's history (None: not live) out.
-LiveHistory = Callable[[Any], "list[dict[str, Any]] | None"]
+LiveHistory = Callable[[Any, "TaskBinding"], "list[dict[str, Any]] | None"]
 
 
 @dataclass(frozen=True)
@@ -162,22 +162,24 @@ def _configured_key() -> bytes | None:
 
 
 def live_history(
-    stored_record: Any, clock: Callable[[], float] = time.monotonic
+    stored_record: Any, task: TaskBinding, clock: Callable[[], float] = time.monotonic
 ) -> list[dict[str, Any]] | None:
     """The run's history from its supervisor (a ``status`` connection: it reads, it owns nothing);
     None when the record is not one of ours, names a host outside :func:`lifeline_hosts`, this
-    server has no signing key, or no supervisor proves itself there within :data:`LIVE_TIMEOUT_S`.
-    Answers are reused for :data:`LIVE_CACHE_S` (:data:`NOT_LIVE_CACHE_S` for none)."""
+    server has no signing key, or no supervisor proves itself there within :data:`LIVE_TIMEOUT_S`
+    as the supervisor of a run of ``task`` (the task instance the view shows: a record copied
+    from another task instance's state proves nothing here). Answers are reused for
+    :data:`LIVE_CACHE_S` (:data:`NOT_LIVE_CACHE_S` for none)."""
     from airflow_provider_torchdist.supervision.lifeline import LifelineError, query_status
-    from airflow_provider_torchdist.supervision.record import RunRecord, owner_secret
+    from airflow_provider_torchdist.supervision.record import RunRecord
 
     try:
-        record = RunRecord.from_dict(stored_record)
+        record = RunRecord.from_dict(stored_record).bound_to(task)
     except ValueError:
         return None
     if record.host not in lifeline_hosts():
         return None
-    key = (record.host, record.port, record.run_id)
+    key = (record.host, record.port, record.run_id, task)
     now = clock()
     with _cache_lock:
         cached = _cache.get(key)
@@ -191,7 +193,7 @@ def live_history(
                 record.host,
                 record.port,
                 record.run_id,
-                owner_secret(record.run_id, signing),
+                record.secret(signing),
                 timeout=LIVE_TIMEOUT_S,
             )
             history = status.metrics
@@ -205,11 +207,12 @@ def live_history(
     return history
 
 
-def metric_history(facts: TaskFacts, live: LiveHistory) -> tuple[str | None, list[Any]]:
+def metric_history(facts: TaskFacts, live: LiveHistory, task: TaskBinding) -> tuple[str | None, list[Any]]:
     """Where the view's history comes from, and the history: the live run's while the task is not
-    finished and its run answers (``"live"``), else XCom's (``"xcom"``; None when it holds none)."""
+    finished and its run answers as a run of ``task`` (``"live"``), else XCom's (``"xcom"``; None
+    when it holds none)."""
     if facts.state not in FINISHED_STATES and facts.run_record is not None:
-        history = live(facts.run_record)
+        history = live(facts.run_record, task)
         if history is not None:
             return "live", history
     return ("xcom" if facts.history else None), facts.history

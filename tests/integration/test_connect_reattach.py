@@ -23,7 +23,6 @@ import pytest
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.spark.wire.connect_ids import split_operation
 from airflow_provider_torchdist.supervision.lifeline import query_status
-from airflow_provider_torchdist.supervision.record import owner_secret
 from airflow_provider_torchdist.supervision.task_side import GONE, run_state
 from tests.integration.connect_server import ConnectServer
 from tests.integration.test_connect import wait_gone
@@ -167,9 +166,7 @@ def test_a_lost_supervisors_connect_job_is_interrupted_from_the_runs_record(
         pids = wait_training(tmp_path)
         deadline = time.monotonic() + 30
         while (
-            operation := query_status(
-                record.host, record.port, record.run_id, owner_secret(record.run_id)
-            ).operation
+            operation := query_status(record.host, record.port, record.run_id, record.secret()).operation
         ) is None:
             assert time.monotonic() < deadline, "the supervisor never learnt the run's operation"
             time.sleep(0.2)

@@ -3,15 +3,17 @@
 A supervised run (:mod:`~airflow_provider_torchdist.supervision.supervisor`) outlives the task that started it.
 Its owner follows it over one TCP connection of JSON lines (at most ``MAX_LINE_BYTES`` each,
 newline included; anything longer is refused). Both ends prove they hold the run's owner secret
-(:func:`~airflow_provider_torchdist.supervision.record.owner_secret`): the owner, because it may stop the
-run; the supervisor, because the owner signs whatever output it fetches from it.
+(:func:`~airflow_provider_torchdist.supervision.record.owner_secret`, bound to the run's task
+instance): the owner, because it may stop the run; the supervisor, because the owner signs whatever
+output it fetches from it, and shows the status it answers with as that task instance's.
 
 The handshake (``HELLO_TIMEOUT_S`` for all of it)::
 
-    owner      -> {"v": 1, "run_id": ..., "kind": "task"|"trigger"|"status", "since": n, "nonce": cn}
+    owner      -> {"v": 2, "run_id": ..., "kind": "task"|"trigger"|"status", "since": n, "nonce": cn}
     supervisor -> {"nonce": sn}                        or {"error": ..., "code": ...} and it closes
     owner      -> {"proof": HMAC(secret, "owner|<run_id>|<kind>|<sn>|<cn>")}
-    supervisor -> {"ok": true, "proof": HMAC(secret, "supervisor|<run_id>|<cn>|<sn>"), "status": {...}}
+    supervisor -> {"ok": true, "proof": HMAC(secret, "supervisor|<run_id>|<cn>|<sn>|<sha256 of status>"),
+                   "status": {...}}
                                                        or {"error": ...} and it closes
 
 A ``status`` connection ends there (:func:`query_status`). An owner then gets the kept log lines
@@ -23,7 +25,7 @@ a message is a lost owner), and the commands ``stop``, ``detach``, ``release`` a
 
 Example::
 
-    with OwnerConnection(host, port, run_id, owner_secret(run_id)) as owner:
+    with OwnerConnection(host, port, run_id, owner_secret(run_id, task=task)) as owner:
         for event in owner.events():
             if isinstance(event, LineEvent):
                 print(event.text)

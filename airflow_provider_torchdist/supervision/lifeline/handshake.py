@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import re
 import secrets
 from typing import Any
@@ -33,10 +34,19 @@ def owner_proof(secret: bytes, run_id: str, kind: str, server_nonce: str, client
     return hmac.new(secret, data, hashlib.sha256).hexdigest()
 
 
-def supervisor_proof(secret: bytes, run_id: str, client_nonce: str, server_nonce: str) -> str:
-    """What the supervisor proves itself with; another domain than :func:`owner_proof`, so one
-    can never be replayed as the other."""
-    data = b"|".join([b"supervisor", run_id.encode(), client_nonce.encode(), server_nonce.encode()])
+def status_digest(status: dict[str, Any]) -> str:
+    """SHA-256 of a status as JSON with sorted keys and no spaces: the same for the dict the
+    supervisor sends and the one the owner decodes from it."""
+    return hashlib.sha256(json.dumps(status, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def supervisor_proof(secret: bytes, run_id: str, client_nonce: str, server_nonce: str, status: str) -> str:
+    """What the supervisor proves itself with, and the status it answers with (``status``: its
+    :func:`status_digest`), so that no status can be swapped in under the proof; another domain
+    than :func:`owner_proof`, so one can never be replayed as the other."""
+    data = b"|".join(
+        [b"supervisor", run_id.encode(), client_nonce.encode(), server_nonce.encode(), status.encode()]
+    )
     return hmac.new(secret, data, hashlib.sha256).hexdigest()
 
 
@@ -141,7 +151,10 @@ class _ClientHandshake:
                 f"the supervisor at {self.where} refused the lifeline to run {self.run_id}: {msg['error']}"
             )
         _exact_keys(msg, {"ok", "proof", "status"}, f"malformed handshake answer from {self.where}")
-        expected = supervisor_proof(self.secret, self.run_id, self.nonce, self._server_nonce)
+        _require(isinstance(msg["status"], dict), "malformed handshake answer: the status is not an object")
+        expected = supervisor_proof(
+            self.secret, self.run_id, self.nonce, self._server_nonce, status_digest(msg["status"])
+        )
         if (
             msg["ok"] is not True
             or not isinstance(msg["proof"], str)

@@ -12,7 +12,9 @@ from typing import Any, BinaryIO
 
 from airflow_provider_torchdist.spark.wire.json_lines import json_object
 
-LIFELINE_VERSION = 1
+#: 2: the supervisor's proof covers the status it answers with, and the owner's credential is
+#: bound to the run's task instance (a supervisor of 1 refuses a 2 client, saying so).
+LIFELINE_VERSION = 2
 #: How often an owner (and an idle supervisor) says it is still there.
 PING_INTERVAL_S = 5.0
 #: Silence after which the other end counts as gone.

@@ -18,6 +18,7 @@ from airflow_provider_torchdist.supervision.lifeline.handshake import (
     _check_run_id,
     _check_secret,
     owner_proof,
+    status_digest,
     supervisor_proof,
 )
 from airflow_provider_torchdist.supervision.lifeline.messages import (
@@ -159,8 +160,9 @@ class LifelineServer:
         with contextlib.suppress(OSError):
             conn.sendall(encode({"error": error, "code": code}))
 
-    def _handshake(self, conn: socket.socket) -> tuple[str, int, str] | None:
-        """``(kind, since, the supervisor's proof)`` for an authenticated client; None after a refusal."""
+    def _handshake(self, conn: socket.socket) -> tuple[str, int, str, str] | None:
+        """``(kind, since, client nonce, server nonce)`` for an authenticated client; None after a
+        refusal."""
         deadline = time.monotonic() + self.hello_timeout
 
         def receive() -> dict[str, Any]:
@@ -202,12 +204,17 @@ class LifelineServer:
             return None
         except HelloRefused:
             return None
-        return kind, since, supervisor_proof(self._secret, run_id, client_nonce, server_nonce)
+        return kind, since, client_nonce, server_nonce
 
-    def _own(self, conn: socket.socket, peer: str, hello: tuple[str, int, str]) -> None:
-        kind, since, proof = hello
+    def _welcome(self, status: dict[str, Any], client_nonce: str, server_nonce: str) -> bytes:
+        """The handshake's last message: this supervisor's proof, bound to the status it carries."""
+        proof = supervisor_proof(self._secret, self.run_id, client_nonce, server_nonce, status_digest(status))
+        return encode({"ok": True, "proof": proof, "status": status})
+
+    def _own(self, conn: socket.socket, peer: str, hello: tuple[str, int, str, str]) -> None:
+        kind, since, client_nonce, server_nonce = hello
         if kind == "status":
-            conn.sendall(encode({"ok": True, "proof": proof, "status": self.state.status().to_dict()}))
+            conn.sendall(self._welcome(self.state.status().to_dict(), client_nonce, server_nonce))
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_WR)
             return
@@ -215,7 +222,7 @@ class LifelineServer:
         session = OwnerSession(self, conn, kind, peer, sub)
         try:
             conn.settimeout(self.silence_s)
-            welcome = encode({"ok": True, "proof": proof, "status": status.to_dict()})
+            welcome = self._welcome(status.to_dict(), client_nonce, server_nonce)
             # The welcome and the session's registration are one step for close(): an owner that
             # has its welcome is always among the sessions close() sends "closing" to.
             with self._lock:

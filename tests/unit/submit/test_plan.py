@@ -362,8 +362,10 @@ def test_concurrent_submissions_each_note_their_own_spark_submit_session(tmp_pat
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "spark-submit"
-    # The fake notes its PID (the session it leads) in the file named by its last argument.
-    fake.write_text('#!/bin/sh\nfor a; do last="$a"; done\necho $$ > "$last"\nsleep 0.3\n')
+    # The fake notes its PID (the session it leads) in the file named by its last argument, then
+    # lives 2 s, as a real spark-submit lives far longer: its session is noted by a watcher that
+    # polls, which a loaded machine may not schedule within a shorter life (0.3 s failed once).
+    fake.write_text('#!/bin/sh\nfor a; do last="$a"; done\necho $$ > "$last"\nsleep 2\n')
     fake.chmod(0o755)
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     submissions = []

@@ -42,6 +42,7 @@ from airflow_provider_torchdist.supervision.lifeline import (
     read_message,
     supervisor_proof,
 )
+from airflow_provider_torchdist.supervision.lifeline.handshake import status_digest
 from tests.unit.conftest import publish_value, wait_until
 
 SECRET = b"s" * 32
@@ -100,7 +101,7 @@ def raw(server: LifelineServer) -> tuple[socket.socket, io.BufferedReader]:
 
 
 def hello(**fields: Any) -> bytes:
-    msg = {"v": 1, "run_id": RUN, "kind": "task", "since": 0, "nonce": "a" * 32, **fields}
+    msg = {"v": 2, "run_id": RUN, "kind": "task", "since": 0, "nonce": "a" * 32, **fields}
     return json.dumps(msg).encode() + b"\n"
 
 
@@ -136,8 +137,9 @@ def test_the_client_refuses_an_endpoint_that_cannot_prove_it_is_the_supervisor()
         conn.sendall(encode({"nonce": "b" * 32}))
         proofs.append(json.loads(reader.readline()))
         # Right shape, proof made with another secret.
-        proof = supervisor_proof(b"o" * 32, RUN, client["nonce"], "b" * 32)
-        conn.sendall(encode({"ok": True, "proof": proof, "status": RunStatus("running").to_dict()}))
+        status = RunStatus("running").to_dict()
+        proof = supervisor_proof(b"o" * 32, RUN, client["nonce"], "b" * 32, status_digest(status))
+        conn.sendall(encode({"ok": True, "proof": proof, "status": status}))
         conn.close()
 
     thread = threading.Thread(target=impostor)
@@ -150,9 +152,40 @@ def test_the_client_refuses_an_endpoint_that_cannot_prove_it_is_the_supervisor()
     assert set(proofs[0]) == {"proof"}
 
 
+def test_a_status_swapped_in_under_the_supervisors_proof_is_refused():
+    """The proof covers the status: one changed on the way (a run "succeeded" with another
+    output, another run's metrics) is refused, though the proof itself is the supervisor's."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def in_the_middle() -> None:
+        conn, _ = listener.accept()
+        reader = conn.makefile("rb")
+        client = json.loads(reader.readline())
+        conn.sendall(encode({"nonce": "b" * 32}))
+        reader.readline()
+        proved = RunStatus("running").to_dict()
+        proof = supervisor_proof(SECRET, RUN, client["nonce"], "b" * 32, status_digest(proved))
+        conn.sendall(encode({"ok": True, "proof": proof, "status": {**proved, "state": "succeeded"}}))
+        conn.close()
+
+    thread = threading.Thread(target=in_the_middle)
+    thread.start()
+    host, port = listener.getsockname()
+    with pytest.raises(LifelineError, match=f"wrong credentials for run {RUN}"):
+        query_status(host, port, RUN, SECRET)
+    thread.join()
+    listener.close()
+
+
+def test_the_status_digest_is_the_same_on_both_ends_of_the_wire():
+    status = RunStatus("running", metrics=[{"step": 1, "loss": 0.1 + 0.2, "lr": 3e-4, "x": float("nan")}])
+    sent = status.to_dict()
+    assert status_digest(decode(encode(sent))) == status_digest(sent)
+
+
 def test_proofs_are_domain_separated():
     owner = owner_proof(SECRET, RUN, "task", "b" * 32, "a" * 32)
-    assert owner != supervisor_proof(SECRET, RUN, "a" * 32, "b" * 32)
+    assert owner != supervisor_proof(SECRET, RUN, "a" * 32, "b" * 32, status_digest({}))
     assert owner != owner_proof(SECRET, RUN, "trigger", "b" * 32, "a" * 32)
 
 
@@ -175,8 +208,8 @@ def test_nothing_listening_means_the_run_is_gone():
 @pytest.mark.parametrize(
     "fields, error",
     [
-        ({"v": 2}, "lifeline version 1, the client 2"),
-        ({"v": True}, "lifeline version 1, the client True"),
+        ({"v": 1}, "lifeline version 2, the client 1"),
+        ({"v": True}, "lifeline version 2, the client True"),
         ({"since": True}, "bad since"),
         ({"since": -1}, "bad since"),
         ({"kind": "admin"}, "kind must be one of"),

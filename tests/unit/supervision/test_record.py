@@ -7,7 +7,7 @@ import json
 import pytest
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.supervision.record import RECORD_VERSION, RunRecord, owner_secret
+from airflow_provider_torchdist.supervision.record import RECORD_VERSION, RunRecord, TaskBinding, owner_secret
 
 GOOD = RunRecord(run_id="abc123", host="127.0.0.1", port=4242, durable=True, reattach_timeout=600.0)
 
@@ -133,3 +133,101 @@ def test_the_owner_credential_is_derived_per_run_and_per_key():
     assert len(owner_secret("run-a", key)) == 32
     assert owner_secret("run-a", key) != owner_secret("run-b", key)
     assert owner_secret("run-a", key) != owner_secret("run-a", other)
+
+
+# -- the task instance a run belongs to -------------------------------------------------------------
+
+TASK = TaskBinding("train_dag", "scheduled__2026-11-26", "train", 3)
+
+
+def test_the_credential_is_bound_to_the_task_instance_not_the_try():
+    key = b"k" * 32
+    bound = owner_secret("abc123", key, TASK)
+    assert bound != owner_secret("abc123", key)  # a run started outside a task
+    for other in (
+        TaskBinding("other_dag", TASK.run_id, TASK.task_id, TASK.map_index),
+        TaskBinding(TASK.dag_id, "manual__x", TASK.task_id, TASK.map_index),
+        TaskBinding(TASK.dag_id, TASK.run_id, "evaluate", TASK.map_index),
+        TaskBinding(TASK.dag_id, TASK.run_id, TASK.task_id, -1),
+        # The parts are not run together: no other split of the same characters gives the same key.
+        TaskBinding("train_dag|scheduled__2026-11-26", "x", "train", 3),
+    ):
+        assert owner_secret("abc123", key, other) != bound, other
+
+    class TryOne:
+        dag_id, run_id, task_id, map_index, try_number = "train_dag", "scheduled__2026-11-26", "train", 3, 1
+
+    class TryTwo(TryOne):
+        try_number = 2
+
+    assert TaskBinding.of(TryOne()) == TaskBinding.of(TryTwo()) == TASK  # a retry owns its run
+    assert GOOD.bound_to(TASK).secret(key) == bound
+
+
+def test_the_binding_is_never_stored_nor_read_from_a_stored_record():
+    bound = GOOD.bound_to(TASK)
+    assert "task" not in bound.to_dict()
+    # A record carrying a task of its own (hand-made, or copied from elsewhere): ignored, so the
+    # holder's own task instance is what its credential is bound to.
+    read = RunRecord.from_dict({**bound.to_dict(), "task": TASK.to_dict()})
+    assert read.task is None
+
+
+def test_a_record_before_task_binding_is_refused_saying_to_clear_it():
+    data = {**GOOD.to_dict(), "version": 1, "provider_version": "0.0.9"}
+    with pytest.raises(InvalidTrainingConfig, match="version 1.*Clear the task's state"):
+        RunRecord.from_dict(data)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        None,
+        {"dag_id": "d", "run_id": "r", "task_id": "t"},
+        {"dag_id": "d", "run_id": "r", "task_id": "t", "map_index": "3"},
+        {"dag_id": "", "run_id": "r", "task_id": "t", "map_index": -1},
+        {"dag_id": "d", "run_id": "r", "task_id": "t", "map_index": -1, "try_number": 1},
+    ],
+)
+def test_a_malformed_binding_is_refused(data):
+    with pytest.raises(ValueError, match="task binding"):
+        TaskBinding.from_dict(data)
+
+
+def test_what_is_not_a_task_instance_binds_nothing():
+    assert TaskBinding.of(None) is None
+    assert TaskBinding.of(object()) is None
+
+
+def test_a_record_copied_into_another_task_instances_state_gets_no_status_from_the_run():
+    """The view and a retry bind the record to the task instance they stand for: the run's
+    supervisor, which holds its own task instance's credential, refuses the other's."""
+    from airflow_provider_torchdist.supervision.lifeline import (
+        LifelineError,
+        LifelineServer,
+        RunState,
+        query_status,
+    )
+
+    class Nobody:
+        def owner_attached(self, owner):
+            pass
+
+        def owner_lost(self, owner, why):
+            pass
+
+        def command(self, owner, name):
+            return None
+
+    key = b"k" * 32
+    server = LifelineServer("abc123", owner_secret("abc123", key, TASK), "127.0.0.1", RunState(), Nobody())
+    server.start()
+    try:
+        host, port = server.address
+        record = RunRecord(run_id="abc123", host=host, port=port, durable=True, reattach_timeout=60.0)
+        assert query_status(host, port, "abc123", record.bound_to(TASK).secret(key)).state == "starting"
+        elsewhere = record.bound_to(TaskBinding("train_dag", "scheduled__2026-11-26", "train", 4))
+        with pytest.raises(LifelineError, match="credentials were refused"):
+            query_status(host, port, "abc123", elsewhere.secret(key))
+    finally:
+        server.close("test over", timeout=0.5)

@@ -129,7 +129,9 @@ def lifeline(monkeypatch: pytest.MonkeyPatch) -> type[FakeLifeline]:
     monkeypatch.setattr(FakeLifeline, "script", [])
     monkeypatch.setattr(FakeLifeline, "connects", [])
     monkeypatch.setattr(trigger_module, "AsyncOwnerConnection", FakeLifeline)
-    monkeypatch.setattr(trigger_module, "owner_secret", lambda run_id: b"secret-of-" + run_id.encode())
+    monkeypatch.setattr(
+        trigger_module, "owner_secret", lambda run_id, key=None, task=None: b"secret-of-" + run_id.encode()
+    )
     return FakeLifeline
 
 
@@ -169,9 +171,34 @@ def test_serialize_round_trips_through_json() -> None:
 
     assert classpath == "airflow_provider_torchdist.triggers.torch_distributor.TorchDistributorTrigger"
     assert import_string(classpath) is TorchDistributorTrigger
-    assert kwargs == {"record": make_record(), "poll_interval": 2.0}
+    assert kwargs == {"record": make_record(), "poll_interval": 2.0, "task_binding": None}
     again = import_string(classpath)(**json.loads(json.dumps(kwargs)))
     assert again.serialize() == (classpath, kwargs)
+
+
+def test_the_task_binding_round_trips_and_is_what_the_credential_is_derived_with(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from airflow_provider_torchdist.supervision.record import TaskBinding
+
+    binding = TaskBinding("dag", "manual__1", "train", 2)
+    trigger = TorchDistributorTrigger(make_record(), task_binding=binding)
+    classpath, kwargs = trigger.serialize()
+    assert kwargs["task_binding"] == {
+        "dag_id": "dag",
+        "run_id": "manual__1",
+        "task_id": "train",
+        "map_index": 2,
+    }
+    again = import_string(classpath)(**json.loads(json.dumps(kwargs)))
+    asked: list[object] = []
+    monkeypatch.setattr(
+        trigger_module, "owner_secret", lambda run_id, key=None, task=None: asked.append(task) or b"s" * 32
+    )
+    asyncio.run(again._owner_secret())
+    assert asked == [binding]
+    with pytest.raises(InvalidTrainingConfig, match="task_binding"):
+        TorchDistributorTrigger(make_record(), task_binding={"dag_id": "dag"})
 
 
 @pytest.mark.parametrize(
@@ -334,7 +361,7 @@ def test_an_unexpected_failure_is_an_error_event_with_the_record(lifeline: type[
 
 
 def test_no_signing_key_is_an_error(lifeline: type[FakeLifeline], monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_key(run_id: str) -> bytes:
+    def no_key(run_id: str, key: object = None, task: object = None) -> bytes:
         raise ValueError("The output signing key has 3 bytes; it needs at least 32.")
 
     monkeypatch.setattr(trigger_module, "owner_secret", no_key)
@@ -463,7 +490,7 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LifelineServer, Re
     owners = RecordingOwners()
     server = LifelineServer("run-1", SECRET, "127.0.0.1", RunState(), owners)
     server.start()
-    monkeypatch.setattr(trigger_module, "owner_secret", lambda run_id: SECRET)
+    monkeypatch.setattr(trigger_module, "owner_secret", lambda run_id, key=None, task=None: SECRET)
     yield server, owners
     server.close("test over")
 
@@ -568,7 +595,7 @@ def test_real_lifeline_wrong_key_is_an_error(
     server: tuple[LifelineServer, RecordingOwners], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lifeline_server, owners = server
-    monkeypatch.setattr(trigger_module, "owner_secret", lambda run_id: b"x" * 32)
+    monkeypatch.setattr(trigger_module, "owner_secret", lambda run_id, key=None, task=None: b"x" * 32)
 
     events = events_of(TorchDistributorTrigger(served_record(lifeline_server)))
 

@@ -15,6 +15,7 @@ from urllib.parse import quote
 
 import pytest
 
+from airflow_provider_torchdist.supervision.record import TaskBinding
 from airflow_provider_torchdist.ui.figures import charted_records, progress, training_figures
 from airflow_provider_torchdist.ui.plugin import has_external_views
 from airflow_provider_torchdist.ui.task_facts import TaskFacts, metric_history, world_size_of
@@ -113,37 +114,40 @@ def test_an_elastic_runs_world_size_is_its_max():
 # -- where the history comes from -----------------------------------------------------------------
 
 RECORD = {"run_id": "r", "host": "127.0.0.1", "port": 1, "durable": True, "reattach_timeout": 600.0}
+TI = TaskBinding("dag", "run", "train", -1)
 
 
 @pytest.mark.parametrize("state", ["running", "deferred", "up_for_retry"])
 def test_a_live_run_is_read_from_its_supervisor(state):
     facts = TaskFacts(state=state, history=reports(1), run_record=RECORD)
     asked = []
-    source, history = metric_history(facts, lambda record: asked.append(record) or reports(3))
-    assert (source, len(history)) == ("live", 3) and asked == [RECORD]
+    source, history = metric_history(
+        facts, lambda record, task: asked.append((record, task)) or reports(3), TI
+    )
+    assert (source, len(history)) == ("live", 3) and asked == [(RECORD, TI)]
 
 
 def test_xcom_when_the_run_does_not_answer_or_the_task_has_ended():
-    def gone(record: Any) -> None:
+    def gone(record: Any, task: TaskBinding) -> None:
         return None
 
-    assert metric_history(TaskFacts("running", reports(2), RECORD), gone) == ("xcom", reports(2))
+    assert metric_history(TaskFacts("running", reports(2), RECORD), gone, TI) == ("xcom", reports(2))
     never = pytest.fail
-    assert metric_history(TaskFacts("success", reports(5), RECORD), never) == ("xcom", reports(5))
-    assert metric_history(TaskFacts("running", reports(2), None), never) == ("xcom", reports(2))
-    assert metric_history(TaskFacts("queued", [], None), never) == (None, [])
+    assert metric_history(TaskFacts("success", reports(5), RECORD), never, TI) == ("xcom", reports(5))
+    assert metric_history(TaskFacts("running", reports(2), None), never, TI) == ("xcom", reports(2))
+    assert metric_history(TaskFacts("queued", [], None), never, TI) == (None, [])
 
 
 def test_live_history_of_a_record_that_is_not_ours_or_nowhere_is_none():
     from airflow_provider_torchdist.supervision.record import RunRecord
     from airflow_provider_torchdist.ui.task_facts import live_history
 
-    assert live_history({"something": "else"}) is None
+    assert live_history({"something": "else"}, TI) is None
     with socket.socket() as sock:  # a port nothing listens on once it is closed
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     nowhere = RunRecord(run_id="r", host="127.0.0.1", port=port, durable=True, reattach_timeout=5.0)
-    assert live_history(nowhere.to_dict()) is None
+    assert live_history(nowhere.to_dict(), TI) is None
 
 
 # -- the app --------------------------------------------------------------------------------------
@@ -219,7 +223,7 @@ def client(auth: FakeAuthManager):
     )
     plugin_app = TrainingApp()
     plugin_app.app.dependency_overrides[ui_app.task_facts_reader] = lambda: facts
-    plugin_app.app.dependency_overrides[ui_app.live_history_reader] = lambda: lambda record: None
+    plugin_app.app.dependency_overrides[ui_app.live_history_reader] = lambda: lambda record, task: None
     server = FastAPI()  # as Airflow's API server mounts plugin apps
     server.mount(URL_PREFIX, plugin_app)
     return TestClient(server)
@@ -398,12 +402,34 @@ def test_a_record_naming_another_host_is_never_asked(asked, monkeypatch):
     """Whoever can write a task's state store must not make the API server connect where they like."""
     from airflow_provider_torchdist.ui.task_facts import live_history
 
-    assert live_history(_record("10.1.2.3", 22)) is None
-    assert live_history(_record("169.254.169.254", 80)) is None
+    assert live_history(_record("10.1.2.3", 22), TI) is None
+    assert live_history(_record("169.254.169.254", 80), TI) is None
     assert asked == []
     monkeypatch.setenv("AIRFLOW__TORCHDIST__VIEW_LIFELINE_HOSTS", "10.1.2.3, worker-2")
-    assert live_history(_record("10.1.2.3", 22)) is None
+    assert live_history(_record("10.1.2.3", 22), TI) is None
     assert asked == [("10.1.2.3", 22)]
+
+
+def test_the_view_asks_with_the_credential_of_the_task_instance_it_shows(monkeypatch):
+    """A record copied into another task instance's state gets that instance's credential, which
+    the run's supervisor refuses: the view never shows one task's run as another's."""
+    from airflow_provider_torchdist.supervision import lifeline
+    from airflow_provider_torchdist.supervision.record import owner_secret
+    from airflow_provider_torchdist.ui import task_facts
+
+    secrets: list[bytes] = []
+
+    def query_status(host, port, run_id, secret, timeout):
+        secrets.append(secret)
+        raise lifeline.LifelineError("refused")
+
+    monkeypatch.setattr(lifeline, "query_status", query_status)
+    monkeypatch.setattr(task_facts, "_cache", {})
+    monkeypatch.setattr(task_facts, "_configured_key", lambda: b"k" * 32)
+    other = TaskBinding("dag", "run", "train", 7)
+    task_facts.live_history(_record("127.0.0.1"), TI)
+    task_facts.live_history(_record("127.0.0.1"), other)  # not the first answer from the cache
+    assert secrets == [owner_secret("run-a", b"k" * 32, TI), owner_secret("run-a", b"k" * 32, other)]
 
 
 def test_a_run_that_does_not_answer_is_not_asked_again_at_once(asked):
@@ -411,10 +437,10 @@ def test_a_run_that_does_not_answer_is_not_asked_again_at_once(asked):
 
     now = [100.0]
     for _ in range(5):
-        assert live_history(_record("127.0.0.1"), clock=lambda: now[0]) is None
+        assert live_history(_record("127.0.0.1"), TI, clock=lambda: now[0]) is None
     assert len(asked) == 1
     now[0] += NOT_LIVE_CACHE_S + 1
-    live_history(_record("127.0.0.1"), clock=lambda: now[0])
+    live_history(_record("127.0.0.1"), TI, clock=lambda: now[0])
     assert len(asked) == 2
 
 
@@ -426,5 +452,5 @@ def test_without_a_signing_key_the_api_server_asks_nobody_and_makes_no_key(asked
     monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
     monkeypatch.delenv("AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY", raising=False)
     assert task_facts._configured_key() is None
-    assert task_facts.live_history(_record("127.0.0.1")) is None
+    assert task_facts.live_history(_record("127.0.0.1"), TI) is None
     assert list(tmp_path.iterdir()) == []
