@@ -27,6 +27,7 @@ from airflow.providers.common.compat.sdk import AirflowException
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed
 from airflow_provider_torchdist.spark.connect.driver import CHANNEL_HOST_ENV, URL_ENV
 from airflow_provider_torchdist.spark.wire.events import emit
+from airflow_provider_torchdist.spark.wire.parent_death import signal_on_parent_death
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.submit.connection import CONNECT_CONN_TYPE, SparkTarget
 from airflow_provider_torchdist.submit.plan import SubmitPlan
@@ -196,6 +197,9 @@ class ConnectSubmission:
                 stderr=subprocess.STDOUT,
                 text=True,
                 errors="replace",
+                # The driver goes when this thread's process dies (a SIGKILLed supervisor too): on
+                # the SIGTERM it interrupts its job, so nothing trains on for nobody.
+                preexec_fn=signal_on_parent_death(signal.SIGTERM),
             )
             self.session = self._proc.pid
             assert self._proc.stdout is not None

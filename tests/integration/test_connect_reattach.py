@@ -190,3 +190,37 @@ def test_a_lost_supervisors_connect_job_is_interrupted_from_the_runs_record(
         with contextlib.suppress(psutil.Error):
             supervisor.kill()
         shutil.rmtree(staging, ignore_errors=True)  # the killed supervisor's, which it would have removed
+
+
+def test_a_sigkilled_supervisor_takes_its_connect_driver_and_job_with_it(
+    connect_conn: str, tmp_path: Path
+) -> None:
+    """The supervisor is SIGKILLed while the ranks train on the server's executors (an OOM kill, a
+    lost container) and the Connect driver is left as it was: the kernel signals the driver, which
+    interrupts its job. Nothing of the run is left on the executors, checked by PID, with no retry
+    and no record read."""
+    hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
+    hook.start_run(gated, [str(tmp_path)], {}, durable=True, reattach_timeout=300.0)
+    hook.detach()  # a durable run without an owner waits for one: only the supervisor's death ends it
+    (supervisor,) = [
+        p
+        for p in psutil.Process().children()
+        if "airflow_provider_torchdist.supervision.supervisor" in " ".join(p.cmdline())
+    ]
+    staging = Path(supervisor.cmdline()[-1])
+    try:
+        pids = wait_training(tmp_path)
+        (driver,) = [p for p in supervisor.children() if "spark.connect.driver" in " ".join(p.cmdline())]
+        supervisor.kill()
+        supervisor.wait(10)
+        killed = time.monotonic()
+        gone, alive = psutil.wait_procs([driver], timeout=20)
+        assert not alive, "the Connect driver outlived its supervisor"
+        assert not (left := wait_gone(pids, killed)), (
+            f"still on the executors after the supervisor died: {left}"
+        )
+    finally:
+        (tmp_path / "release").touch()
+        with contextlib.suppress(psutil.Error):
+            supervisor.kill()
+        shutil.rmtree(staging, ignore_errors=True)  # the killed supervisor's, which it would have removed
