@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -53,6 +54,13 @@ from tests.integration.connect_server import start_connect_server  # noqa: E402
 
 #: The bench's Spark Connect connection (an AIRFLOW_CONN_ variable naming the warm server).
 CONNECT_CONN_ID = "bench_connect"
+#: Ray Train's environment (``bash bench/ray-env``): Ray is no dependency of this project.
+RAY_PYTHON = REPO / ".venv-ray" / "bin" / "python"
+#: Where the warm Ray cluster's head listens (127.0.0.1 only); ``ray_warm`` joins it.
+RAY_ADDRESS_ENV = "BENCH_RAY_ADDRESS"
+#: Ray's processes: the workloads on their path, and loopback only (Ray's own switch for a
+#: single-machine cluster: Ray Train's workers then give gloo 127.0.0.1, not the machine's address).
+RAY_ENV = {"PYTHONPATH": str(WORKLOADS), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,21 @@ VARIANTS = [
         _value_ok,
     ),
     Variant(
+        "ray_cold",
+        "Ray Train `TorchTrainer` (2 CPU workers, gloo), cold: a new local Ray cluster per launch",
+        lambda: [str(RAY_PYTHON), str(WORKLOADS / "ray_train.py")],
+        _value_ok,
+        RAY_ENV,
+    ),
+    Variant(
+        "ray_warm",
+        "Ray Train `TorchTrainer` (2 CPU workers, gloo), warm: joins a running Ray cluster "
+        "(started once before the rounds)",
+        lambda: [str(RAY_PYTHON), str(WORKLOADS / "ray_train.py"), "--address", os.environ[RAY_ADDRESS_ENV]],
+        _value_ok,
+        RAY_ENV,
+    ),
+    Variant(
         "dag_local",
         "this project, operator in `dag.test()`, local_mode=True",
         lambda: [PYTHON, str(WORKLOADS / "dag_run.py"), "bench_torchdist_local"],
@@ -223,6 +246,9 @@ RATIOS = [
     ("hook_supervised", "torchrun", 2.0, "<="),
     ("hook_local", "hook_local@base", None, ""),
     ("hook_distributed", "hook_distributed@base", None, ""),
+    ("ray_cold", "torchrun", None, ""),
+    ("ray_warm", "torchrun", None, ""),
+    ("hook_supervised", "ray_warm", None, ""),
     ("hook_local@base", "torchrun", None, ""),
     ("hook_distributed@base", "torchrun", None, ""),
 ]
@@ -258,6 +284,37 @@ def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             }
         )
     return {"stats": stats, "ratios": ratios}
+
+
+def start_ray_head() -> str:
+    """``ray start --head`` on 127.0.0.1 (no dashboard); returns its address."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ray = RAY_PYTHON.parent / "ray"
+    subprocess.run(
+        [
+            str(ray),
+            "start",
+            "--head",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--num-cpus=4",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        env={**bench_env(None), **RAY_ENV},
+        check=True,
+        capture_output=True,
+    )
+    return f"127.0.0.1:{port}"
+
+
+def stop_ray_head() -> None:
+    """``ray stop``: every process of the bench's Ray cluster."""
+    subprocess.run([str(RAY_PYTHON.parent / "ray"), "stop", "--force"], check=False, capture_output=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,6 +359,14 @@ def main(argv: list[str] | None = None) -> int:
             {"conn_type": "spark_connect", "host": "127.0.0.1", "port": server.port}
         )
         log(f"Spark Connect server on {server.url}")
+    ray_head = None
+    if any(v.name.startswith("ray_") for v in variants):
+        if not RAY_PYTHON.exists():
+            log(f"no {RAY_PYTHON}: run `bash bench/ray-env` first; the Ray Train variants are left out")
+            variants = [v for v in variants if not v.name.startswith("ray_")]
+        elif any(v.name == "ray_warm" for v in variants):
+            ray_head = os.environ[RAY_ADDRESS_ENV] = start_ray_head()
+            log(f"Ray cluster head on {ray_head}")
     samples: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
     warmup: dict[str, float] = {}
     try:
@@ -321,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
+        if ray_head is not None:
+            stop_ray_head()
         shutil.rmtree(home, ignore_errors=True)
         if tree is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)

@@ -12,18 +12,28 @@ from typing import Any
 
 
 def train(steps: int = 3) -> dict[str, Any]:
-    """init_process_group, one allreduce, a few DDP steps on a 4x1 linear model, destroy.
+    """init_process_group, :func:`work`, destroy.
 
     Returns rank 0's view: world size, the allreduced sum and the rank's wall-clock start/end
     (``time.time()``), which the profile uses to place the ranks on the launch timeline.
     """
     started = time.time()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    result = work(steps, started=started, joined=time.time())
+    dist.destroy_process_group()
+    return result
+
+
+def work(steps: int = 3, started: float | None = None, joined: float | None = None) -> dict[str, Any]:
+    """In a process group made already (by :func:`train`, or by a launcher that makes it itself):
+    one allreduce and a few DDP steps on a 4x1 linear model."""
+    now = time.time()
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo")
-    joined = time.time()
     total = torch.ones(1) * (dist.get_rank() + 1)
     dist.all_reduce(total)
     torch.manual_seed(0)
@@ -34,16 +44,14 @@ def train(steps: int = 3) -> dict[str, Any]:
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
-    result = {
+    return {
         "world_size": dist.get_world_size(),
         "allreduce": total.item(),
         "pid": os.getpid(),
-        "t_start": started,
-        "t_joined": joined,
+        "t_start": now if started is None else started,
+        "t_joined": now if joined is None else joined,
         "t_end": time.time(),
     }
-    dist.destroy_process_group()
-    return result
 
 
 if __name__ == "__main__":
