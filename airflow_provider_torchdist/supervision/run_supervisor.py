@@ -184,6 +184,8 @@ class RunSupervisor(OwnerRules):
             process = self.process
             self._cond.notify_all()
         log(f"tearing down: {reason}")
+        if self._lock_file is not None:
+            self._lock_file.mark_ending()  # the next run of this task may wait for the lock now
         if self.server is not None:
             self.server.stop_accepting()  # a new owner now finds nothing: the run is gone
         if not self.state.ended:

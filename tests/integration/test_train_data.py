@@ -158,6 +158,8 @@ SCRIPT = textwrap.dedent(
     out = os.path.join(sys.argv[1], f"rank-{dist.get_rank()}.json")
     with open(out, "w") as f:
         json.dump(shard.column("id").to_pylist(), f)
+    dist.barrier()  # init_process_group has none: a rank leaving at once fails a slower peer's
+    dist.destroy_process_group()
     """
 )
 

@@ -450,6 +450,30 @@ def test_the_lock_admits_one_live_run_per_checkpoint_dir(tmp_path):
     assert (checkpoints / LOCK_FILE).exists()  # never deleted
 
 
+def test_a_run_being_torn_down_is_waited_for_and_a_live_one_is_not(tmp_path):
+    """A cleared task's new try starts its run while the old run's teardown still holds the lock
+    (its lifeline stopped answering first): it waits for that lock, not for a live run's."""
+    checkpoints = tmp_path / "ckpt"
+    old = RunLock.acquire(str(checkpoints))
+    started = time.monotonic()
+    with pytest.raises(RunLocked, match="another run of this task is live"):
+        RunLock.acquire(str(checkpoints), ending_wait=5.0)
+    assert time.monotonic() - started < 1.0  # a live run: refused at once, not after the wait
+
+    old.mark_ending()
+    threading.Timer(0.5, old.release).start()
+    new = RunLock.acquire(str(checkpoints), ending_wait=5.0)
+    assert 0.4 < time.monotonic() - started < 5.0
+    assert (checkpoints / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+    new.release()
+
+    stuck = RunLock.acquire(str(checkpoints))
+    stuck.mark_ending()
+    with pytest.raises(RunLocked, match="still ending after 0 s"):
+        RunLock.acquire(str(checkpoints), ending_wait=0.3)
+    stuck.release()
+
+
 # -- the real process ------------------------------------------------------------------------------
 
 #: spark-submit that notes its PID beside the spec (the last argument) and trains "forever".
