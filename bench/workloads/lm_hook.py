@@ -7,25 +7,20 @@ embedded master. Prints one ``RESULT {json}`` line with rank 0's figures.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lm_train import train_from_shard  # noqa: E402
+from lm_train import parse_args, train_from_shard  # noqa: E402
 
 from airflow_provider_torchdist import TorchDistributorHook  # noqa: E402
 from airflow_provider_torchdist.spark.wire.output_store import read_output  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=16)
-    args = parser.parse_args()
+    args = parse_args(__doc__.splitlines()[0])
     hook = TorchDistributorHook(
         num_processes=2, local_mode=False, train_data=f"SELECT tokens FROM parquet.`{args.data}`"
     )

@@ -115,12 +115,17 @@ def _local_shard(data: str, batch: int) -> Iterator[Any]:
         yield torch.from_numpy(tokens[start : start + batch])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(description: str) -> argparse.Namespace:
+    """Both entries' arguments: the token set's folder, the steps, the batch size."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--data", required=True)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=16)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
     import torch.distributed as dist
 
     dist.init_process_group("gloo")

@@ -125,56 +125,55 @@ def test_a_wrong_secret_is_refused_clearly(served):
     assert server.listener.attached == []
 
 
-def test_the_client_refuses_an_endpoint_that_cannot_prove_it_is_the_supervisor():
-    """The owner signs what it fetches: an endpoint on the run's port must prove the secret too."""
+def _fake_supervisor(welcome: Any) -> tuple[tuple[str, int], threading.Thread, list[dict]]:
+    """An endpoint that does the supervisor's part of the handshake up to its last message, which
+    ``welcome(client_nonce)`` makes; returns its address, its thread and the owner's proofs."""
     listener = socket.create_server(("127.0.0.1", 0))
     proofs: list[dict] = []
 
-    def impostor() -> None:
+    def serve() -> None:
         conn, _ = listener.accept()
         reader = conn.makefile("rb")
         client = json.loads(reader.readline())
         conn.sendall(encode({"nonce": "b" * 32}))
         proofs.append(json.loads(reader.readline()))
-        # Right shape, proof made with another secret.
-        status = RunStatus("running").to_dict()
-        proof = supervisor_proof(b"o" * 32, RUN, client["nonce"], "b" * 32, status_digest(status))
-        conn.sendall(encode({"ok": True, "proof": proof, "status": status}))
+        conn.sendall(encode(welcome(client["nonce"])))
         conn.close()
+        listener.close()
 
-    thread = threading.Thread(target=impostor)
+    thread = threading.Thread(target=serve)
     thread.start()
-    host, port = listener.getsockname()
+    return listener.getsockname(), thread, proofs
+
+
+def test_the_client_refuses_an_endpoint_that_cannot_prove_it_is_the_supervisor():
+    """The owner signs what it fetches: an endpoint on the run's port must prove the secret too."""
+
+    def impostor(client_nonce: str) -> dict:  # right shape, proof made with another secret
+        status = RunStatus("running").to_dict()
+        proof = supervisor_proof(b"o" * 32, RUN, client_nonce, "b" * 32, status_digest(status))
+        return {"ok": True, "proof": proof, "status": status}
+
+    (host, port), thread, proofs = _fake_supervisor(impostor)
     with pytest.raises(LifelineError, match=f"wrong credentials for run {RUN}"):
         OwnerConnection(host, port, RUN, SECRET)
     thread.join()
-    listener.close()
     assert set(proofs[0]) == {"proof"}
 
 
 def test_a_status_swapped_in_under_the_supervisors_proof_is_refused():
     """The proof covers the status: one changed on the way (a run "succeeded" with another
     output, another run's metrics) is refused, though the proof itself is the supervisor's."""
-    listener = socket.create_server(("127.0.0.1", 0))
 
-    def in_the_middle() -> None:
-        conn, _ = listener.accept()
-        reader = conn.makefile("rb")
-        client = json.loads(reader.readline())
-        conn.sendall(encode({"nonce": "b" * 32}))
-        reader.readline()
+    def in_the_middle(client_nonce: str) -> dict:
         proved = RunStatus("running").to_dict()
-        proof = supervisor_proof(SECRET, RUN, client["nonce"], "b" * 32, status_digest(proved))
-        conn.sendall(encode({"ok": True, "proof": proof, "status": {**proved, "state": "succeeded"}}))
-        conn.close()
+        proof = supervisor_proof(SECRET, RUN, client_nonce, "b" * 32, status_digest(proved))
+        return {"ok": True, "proof": proof, "status": {**proved, "state": "succeeded"}}
 
-    thread = threading.Thread(target=in_the_middle)
-    thread.start()
-    host, port = listener.getsockname()
+    (host, port), thread, _ = _fake_supervisor(in_the_middle)
     with pytest.raises(LifelineError, match=f"wrong credentials for run {RUN}"):
         query_status(host, port, RUN, SECRET)
     thread.join()
-    listener.close()
 
 
 def test_the_status_digest_is_the_same_on_both_ends_of_the_wire():
