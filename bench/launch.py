@@ -60,7 +60,11 @@ RAY_PYTHON = REPO / ".venv-ray" / "bin" / "python"
 RAY_ADDRESS_ENV = "BENCH_RAY_ADDRESS"
 #: Ray's processes: the workloads on their path, and loopback only (Ray's own switch for a
 #: single-machine cluster: Ray Train's workers then give gloo 127.0.0.1, not the machine's address).
-RAY_ENV = {"PYTHONPATH": str(WORKLOADS), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+RAY_ENV = {
+    "PYTHONPATH": str(WORKLOADS),
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+}
 
 
 @dataclass(frozen=True)

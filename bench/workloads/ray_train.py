@@ -51,7 +51,14 @@ def main() -> None:
         ray.init(address=args.address, logging_level="ERROR")
     else:
         # Logical CPUs: 2 workers and Ray Train's own coordinator.
-        ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR")
+        # address="local": a new cluster even while another one (ray_warm's) runs on this machine.
+        ray.init(
+            address="local",
+            num_cpus=4,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            logging_level="ERROR",
+        )
     with tempfile.TemporaryDirectory(prefix="ray-bench-") as storage:
         value_file = os.path.join(storage, "value.json")
         trainer = TorchTrainer(
