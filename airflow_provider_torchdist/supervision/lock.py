@@ -22,8 +22,10 @@ from pathlib import Path
 from airflow_provider_torchdist.supervision.config import LOCK_FILE, RunLocked, SupervisorStartError
 
 #: How long a new run waits for the lock of a run being torn down: its teardown ends spark-submit's
-#: session (SIGTERM, then SIGKILL: up to about 10 s), and a loaded machine takes longer.
-ENDING_WAIT_S = 60.0
+#: session (SIGTERM, then SIGKILL: about 10 s), and a loaded machine takes longer. Well inside the
+#: task's wait for its supervisor to listen (``task_side.START_TIMEOUT_S``, 60 s), so that a wait
+#: that ends in RunLocked is reported as such, not as a supervisor that never started.
+ENDING_WAIT_S = 40.0
 #: What a run being torn down writes after its PID in the lock file.
 ENDING = "ending"
 

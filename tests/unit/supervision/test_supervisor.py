@@ -467,6 +467,10 @@ def test_a_run_being_torn_down_is_waited_for_and_a_live_one_is_not(tmp_path):
     assert (checkpoints / LOCK_FILE).read_text() == f"{os.getpid()}\n"
     new.release()
 
+    from airflow_provider_torchdist.supervision.lock import ENDING_WAIT_S
+    from airflow_provider_torchdist.supervision.task_side import START_TIMEOUT_S
+
+    assert ENDING_WAIT_S + 10 < START_TIMEOUT_S  # the task hears RunLocked, not "never listened"
     stuck = RunLock.acquire(str(checkpoints))
     stuck.mark_ending()
     with pytest.raises(RunLocked, match="still ending after 0 s"):
