@@ -55,8 +55,11 @@ def _venv(path: Path) -> Path:
 def _pip_install(
     python: Path, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> None:
-    # pip's defaults, as a user runs it (bytecode compiled at install: with PYTHONDONTWRITEBYTECODE
-    # set, as on CI, every process of the example run would otherwise compile from source).
+    # pip as a user runs it, less its bytecode step: pip compiles every file it lays down, one at a
+    # time (torch, Airflow and pyspark: over a minute here), where a user's Python writes the .pyc of
+    # what a run imports as it goes. The example run below lets it: CI sets
+    # PYTHONDONTWRITEBYTECODE, which a user's shell does not.
+    env = {**(env or os.environ), "PIP_NO_COMPILE": "1"}
     done = subprocess.run(
         [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
         cwd=cwd,
@@ -115,6 +118,7 @@ def test_one_command_install_runs_the_example_dag(tmp_path: Path, no_leftovers: 
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
     }
     env.pop("VIRTUAL_ENV", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # a user's shell: imports leave their .pyc behind
     doctor = subprocess.run(
         [str(python), "-m", "airflow_provider_torchdist", "doctor"], env=env, capture_output=True, text=True
     )
