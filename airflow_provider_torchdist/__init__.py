@@ -3,7 +3,8 @@
 Public names: :class:`TorchDistributorOperator`, :class:`TorchDistributorHook`, :func:`load_output`,
 :func:`output_origin`,
 and for training code :func:`report`, :func:`save_checkpoint`, :func:`load_latest_checkpoint`
-and :func:`checkpoint_dir`, and for reading ``train_data`` in a rank :func:`rank_shard` (a
+and :func:`checkpoint_dir`, :func:`stop_requested` (the run is being stopped: checkpoint and
+return), and for reading ``train_data`` in a rank :func:`rank_shard` (a
 memory-mapped ``pyarrow.Table``) and :func:`rank_batches` (dicts of tensors).
 They load lazily, so the Spark side (``airflow_provider_torchdist.spark``), which ships to the
 cluster inside this package, never imports Airflow.
@@ -26,6 +27,7 @@ __all__ = [
     "rank_shard",
     "report",
     "save_checkpoint",
+    "stop_requested",
 ]
 
 _LAZY = {
@@ -39,6 +41,7 @@ _LAZY = {
     "load_latest_checkpoint": "airflow_provider_torchdist.spark.node.checkpoints",
     "rank_shard": "airflow_provider_torchdist.spark.data.rank_data",
     "rank_batches": "airflow_provider_torchdist.spark.data.rank_data",
+    "stop_requested": "airflow_provider_torchdist.spark.node.stop",
 }
 
 if TYPE_CHECKING:
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
         save_checkpoint,
     )
     from airflow_provider_torchdist.spark.node.metrics import report
+    from airflow_provider_torchdist.spark.node.stop import stop_requested
 
 
 def __getattr__(name: str) -> Any:

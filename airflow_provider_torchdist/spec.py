@@ -42,6 +42,8 @@ DEFAULT_MAX_XCOM_OUTPUT_BYTES = 4 * 1024 * 1024
 RUN, XCOM, OWNER, LINEAGE, SUBMIT = "run", "xcom", "owner", "lineage", "submit"
 #: ``reattach_timeout``'s default: how long a run waits for a new owner (10 minutes).
 DEFAULT_REATTACH_TIMEOUT = 600.0
+#: ``stop_grace_period``'s default: what SageMaker and Kubernetes give a stopped job (30 s).
+DEFAULT_STOP_GRACE_PERIOD = 30.0
 
 
 def setting(default: Any, doc: str, *, templated: bool = False, scope: str = RUN, check: str = "") -> Any:
@@ -209,6 +211,23 @@ class TrainingSpec:
         templated=True,
         scope=OWNER,
         check="float_timeout",
+    )
+    stop_grace_period: float = setting(
+        DEFAULT_STOP_GRACE_PERIOD,
+        "seconds the ranks get to checkpoint and return when the run is stopped (a timeout, "
+        "``on_kill``, mark-failed or clear, the end of ``reattach_timeout``): they are sent "
+        "``stop_signal`` and ``stop_requested()`` turns True; whatever still runs after it is killed. "
+        "``0``: killed at once.",
+        templated=True,
+        check="grace_period",
+    )
+    stop_signal: str = setting(
+        "SIGTERM",
+        "the signal each rank gets when the run is stopped (``SIGTERM``, ``SIGINT``, ``SIGUSR1``, "
+        "...); a rank without a handler of its own for it is not ended by it: "
+        "``stop_requested()`` tells it to checkpoint and return.",
+        templated=True,
+        check="stop_signal",
     )
     openlineage_inject_parent_job_info: bool | None = setting(
         None,

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 
 from airflow_provider_torchdist.callbacks.scalars import known_total, scalar_metrics
+from airflow_provider_torchdist.spark.node import stop
+from airflow_provider_torchdist.spark.node.checkpoints import checkpoint_dir
 from airflow_provider_torchdist.spark.node.metrics import report
 
 #: Lightning's own default for ``Trainer(log_every_n_steps=...)``.
 LIGHTNING_LOG_EVERY_N_STEPS = 50
+#: Where a stopped run's checkpoint goes, in the task's checkpoint directory (else the Trainer's
+#: ``default_root_dir``): ``trainer.fit(model, ckpt_path=...)`` resumes from it.
+STOP_CHECKPOINT = "stopped.ckpt"
 
 
 class LightningReportCallback(pl.Callback):
@@ -29,15 +35,22 @@ class LightningReportCallback(pl.Callback):
     is what ``training_step`` returned, ``learning_rate`` the first optimizer's first parameter
     group's, ``epoch`` ``trainer.current_epoch``; logged scalars keep their names. Only global
     rank 0 reports, unless ``all_ranks=True``.
+
+    When the run is stopped (``stop_grace_period``), every rank stops after the same batch: the
+    Trainer saves ``stopped.ckpt`` in the task's checkpoint directory and ends ``fit``; resume with
+    ``trainer.fit(model, ckpt_path=path)`` when that file exists. ``save_on_stop=False``: not this.
     """
 
-    def __init__(self, every_n_steps: int | None = None, *, all_ranks: bool = False) -> None:
+    def __init__(
+        self, every_n_steps: int | None = None, *, all_ranks: bool = False, save_on_stop: bool = True
+    ) -> None:
         if every_n_steps is not None and (
             isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps <= 0
         ):
             raise ValueError(f"every_n_steps must be a positive int or None, got {every_n_steps!r}")
         self.every_n_steps = every_n_steps
         self.all_ranks = all_ranks
+        self.save_on_stop = save_on_stop
         self._total_steps: int | None = None
         self._last_step: int | None = None
 
@@ -53,6 +66,11 @@ class LightningReportCallback(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        # Every rank asks (a collective: they all reach this hook after the same batch).
+        if self.save_on_stop and stop.stop_requested(all_ranks=True):
+            directory = checkpoint_dir() or Path(trainer.default_root_dir)
+            trainer.save_checkpoint(str(directory / STOP_CHECKPOINT))
+            trainer.should_stop = True
         if not (self.all_ranks or trainer.is_global_zero):
             return
         step = trainer.global_step

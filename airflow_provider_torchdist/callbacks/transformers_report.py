@@ -7,6 +7,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from airflow_provider_torchdist.callbacks.scalars import known_total, scalar_metrics
+from airflow_provider_torchdist.spark.node import stop
 from airflow_provider_torchdist.spark.node.metrics import report
 
 
@@ -24,10 +25,24 @@ class TransformersReportCallback(TrainerCallback):
     A report goes whenever the Trainer logs (``TrainingArguments(logging_steps=...)``), with
     ``step=state.global_step`` and ``total_steps=state.max_steps``. Only global rank 0 reports,
     unless ``all_ranks=True``.
+
+    When the run is stopped (``stop_grace_period``), every rank stops after the same step: the
+    Trainer saves its checkpoint (``output_dir/checkpoint-<step>``, as ``save_steps`` would) and
+    ends ``train``; ``trainer.train(resume_from_checkpoint=True)`` resumes from it.
+    ``save_on_stop=False``: not this.
     """
 
-    def __init__(self, *, all_ranks: bool = False) -> None:
+    def __init__(self, *, all_ranks: bool = False, save_on_stop: bool = True) -> None:
         self.all_ranks = all_ranks
+        self.save_on_stop = save_on_stop
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # Every rank asks (a collective: they all reach this hook after the same step).
+        if self.save_on_stop and stop.stop_requested(all_ranks=True):
+            control.should_save = True
+            control.should_training_stop = True
 
     def on_log(
         self,

@@ -168,9 +168,9 @@ class SupervisedRunsMixin:
         owner = self._owner
         try:
             if owner is not None and self.record is not None and self.record.run_id == record.run_id:
-                owner.stop()
+                owner.stop("timeout")
             else:
-                end_run(record, timeout=15.0)
+                end_run(record, timeout=15.0, why="timeout")
         except (LifelineError, OSError, SparkSubmitFailed) as exc:
             self.log.warning("Could not stop run %s at its deadline: %s", record.run_id, exc)
         return True

@@ -239,10 +239,10 @@ class TorchDistributorHook(SupervisedRunsMixin, BaseHook):
         owner = self._owner
         if owner is not None:
             with contextlib.suppress(LifelineError, OSError):
-                owner.stop()
+                owner.stop("killed")
         elif self.record is not None:
             with contextlib.suppress(LifelineError, OSError):
-                end_run(self.record, timeout=4.0)
+                end_run(self.record, timeout=4.0, why="killed")
         if self.submission is not None:
             self.submission.kill()
         self._stop_session()

@@ -125,7 +125,7 @@ class SupervisedRunMixin(ResumableJobMixin):
                 "The task was cleared since run %s started: stopping it, and starting a new run.",
                 record.run_id,
             )
-            end_run(record)
+            end_run(record, why="cleared")
             return CLEARED
         state = run_state(record)
         if state == "failed":
@@ -217,7 +217,7 @@ class SupervisedRunMixin(ResumableJobMixin):
         """Make sure a run stopped at its deadline is gone (its lock free for a retry) before the
         try fails; the timeout stays the task's error."""
         try:
-            end_run(record, timeout=15.0)
+            end_run(record, timeout=15.0, why="timeout")
         except Exception as exc:
             self.log.warning("Could not make sure run %s ended at its timeout: %s", record.run_id, exc)
 

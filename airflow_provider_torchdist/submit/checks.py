@@ -14,6 +14,7 @@ from typing import Any
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
 from airflow_provider_torchdist.spec import SETTINGS, TrainingSpec
+from airflow_provider_torchdist.submit.stop_settings import check_grace_period, check_stop_signal
 from airflow_provider_torchdist.submit.validation import (
     check_bool,
     check_deploy_mode,
@@ -137,6 +138,8 @@ CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "optional_bool": lambda v, n: None if v is None else check_bool(v, n),
     "int_timeout": lambda v, n: check_timeout(v, n, integer=True),
     "float_timeout": lambda v, n: check_timeout(v, n, integer=False),
+    "grace_period": check_grace_period,
+    "stop_signal": check_stop_signal,
     "optional_str": _optional_str,
     "non_empty_str": _non_empty_str,
     "str_dict": _str_dict,

@@ -18,7 +18,7 @@ MAX_NPROC_PER_NODE = 1024
 #: The longest timeout accepted, in seconds (a week): each bounds a wait that means something is wrong.
 MAX_TIMEOUT_S = 7 * 24 * 3600
 _ASCII_INT = re.compile(r"-?[0-9]+")
-_ASCII_NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
+ASCII_NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
 
 
 def is_template(value: Any) -> bool:
@@ -62,7 +62,7 @@ def check_timeout(value: Any, field: str, *, integer: bool) -> int | float:
         text = value.strip()
         if _ASCII_INT.fullmatch(text):
             value = int(text)
-        elif not integer and _ASCII_NUMBER.fullmatch(text):
+        elif not integer and ASCII_NUMBER.fullmatch(text):
             value = float(text)
     kind = "a whole number of seconds >= 1" if integer else "a finite number of seconds > 0"
     numeric = (int,) if integer else (int, float)

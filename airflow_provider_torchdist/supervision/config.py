@@ -24,6 +24,9 @@ PLAN_FILE = "plan.json"
 ERROR_FILE = "supervisor.error"
 LOG_FILE = "supervisor.log"
 LOCK_FILE = ".torchdist-run.lock"
+#: ``{"until": <epoch s>}``: the supervisor waits for an earlier run of its task to finish its stop
+#: (its ranks' grace period) before it can take the lock; the task waits for it that much longer.
+LOCK_WAIT_FILE = "supervisor.lock-wait"
 EXIT_OK = 0
 EXIT_START_FAILED = 2
 EXIT_LOCKED = 3
@@ -78,6 +81,8 @@ class SupervisorConfig:
     owner_secret: bytes
     #: Rank 0's output file (in the staging directory); None for a script.
     output_file: Path | None
+    #: Seconds the ranks get to checkpoint when the run is stopped (``stop_grace_period``).
+    stop_grace_period: float
 
     @classmethod
     def from_dict(cls, data: Any) -> SupervisorConfig:
@@ -89,11 +94,12 @@ class SupervisorConfig:
             "checkpoint_dir",
             "owner_secret_hex",
             "output_file",
+            "stop_grace_period",
         }
         if not isinstance(data, dict) or set(data) != keys:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise SupervisorStartError(f"{SUPERVISOR_FILE} must hold exactly {sorted(keys)}, got {got}")
-        timeout = data["reattach_timeout"]
+        timeout, grace = data["reattach_timeout"], data["stop_grace_period"]
         try:
             secret = (
                 bytes.fromhex(data["owner_secret_hex"]) if isinstance(data["owner_secret_hex"], str) else b""
@@ -116,6 +122,7 @@ class SupervisorConfig:
                     or (isinstance(data["checkpoint_dir"], str) and data["checkpoint_dir"]),
                 ),
                 ("owner_secret_hex", len(secret) >= 32),
+                ("stop_grace_period", type(grace) in (int, float) and math.isfinite(grace) and grace >= 0),
                 (
                     "output_file",
                     data["output_file"] is None
@@ -134,6 +141,7 @@ class SupervisorConfig:
             checkpoint_dir=data["checkpoint_dir"],
             owner_secret=secret,
             output_file=None if data["output_file"] is None else Path(data["output_file"]),
+            stop_grace_period=float(grace),
         )
 
     @classmethod

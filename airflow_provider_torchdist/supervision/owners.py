@@ -34,6 +34,7 @@ class OwnerRules:
         self._waited = 0.0
         self._reason: str | None = None
         self._run_error: str | None = None
+        self._stop_why: str | None = None
 
     @property
     def run_id(self) -> str:
@@ -77,13 +78,14 @@ class OwnerRules:
             old.close(f"another owner ({owner.kind}, from {owner.peer}) took run {self.run_id} over")
         log(f"owner attached: {owner.kind} from {owner.peer}{' (replacing ' + old.kind + ')' if old else ''}")
 
-    def owner_command(self, owner: OwnerSession, command: str) -> str | None:
+    def owner_command(self, owner: OwnerSession, command: str, why: str | None = None) -> str | None:
         with self._cond:
             if owner is not self._owner:
                 return f"this lifeline is no longer the owner of run {self.run_id}"
             if command == "stop":
-                log(f"stop from its owner ({owner.kind})")
-                self._request(STOPPED_BY_OWNER, run_error=STOPPED_BY_OWNER)
+                log(f"stop from its owner ({owner.kind}){f': {why}' if why else ''}")
+                stopped = f"{STOPPED_BY_OWNER} ({why})" if why else STOPPED_BY_OWNER
+                self._request(stopped, run_error=stopped, stop_why=why or STOPPED_BY_OWNER)
             elif command == "detach":
                 self._owner = None
                 self._wait_for_owner(self.config.reattach_timeout)
@@ -127,7 +129,10 @@ class OwnerRules:
             self._request(reason)
             self._cond.notify_all()
 
-    def _request(self, reason: str, run_error: str | None = None) -> None:
+    def _request(self, reason: str, run_error: str | None = None, stop_why: str | None = None) -> None:
+        """The first teardown asked for wins: ``reason`` for the log, ``run_error`` for a run that
+        had not ended, ``stop_why`` for its ranks ("timeout"; default: ``reason``)."""
         if self._reason is None:
             self._reason = reason
             self._run_error = run_error
+            self._stop_why = stop_why or reason

@@ -14,11 +14,14 @@ import os
 import shutil
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from airflow_provider_torchdist.spark.driver.owner import read_channel_address
 from airflow_provider_torchdist.spark.wire.private_files import write_private_text
+from airflow_provider_torchdist.spark.wire.stop_request import stop_declined, write_stop_request
 from airflow_provider_torchdist.supervision.config import EXIT_OK, SupervisorConfig, log, read_plan_text
 from airflow_provider_torchdist.supervision.lifeline import (
     OWNER_SILENCE_S,
@@ -26,7 +29,7 @@ from airflow_provider_torchdist.supervision.lifeline import (
     LifelineServer,
     RunState,
 )
-from airflow_provider_torchdist.supervision.lock import RunLock
+from airflow_provider_torchdist.supervision.lock import ENDING_WAIT_S, RunLock
 from airflow_provider_torchdist.supervision.owners import OwnerRules
 from airflow_provider_torchdist.supervision.submission import (
     RunProcess,
@@ -36,6 +39,9 @@ from airflow_provider_torchdist.supervision.submission import (
     submission_of,
 )
 from airflow_provider_torchdist.supervision.sweep import ADDRESS_FILE
+
+#: How often a stopping supervisor looks whether the ranks declined the grace period.
+STOP_POLL_S = 0.1
 
 
 class RunSupervisor(OwnerRules):
@@ -173,6 +179,35 @@ class RunSupervisor(OwnerRules):
 
     # -- teardown
 
+    def _stop_gracefully(self, grace: float) -> str:
+        """Ask the driver to stop the ranks (``stop-request.json``: they get the stop signal and
+        ``stop_requested()``) and give the run ``grace`` seconds to end by itself; the owner still
+        following sees every line of it. What is left afterwards :func:`end_process` ends.
+        Returns what the run's error adds: how the stop went."""
+        why = self._stop_why or "torn down"
+        if read_channel_address(self.staging_dir) is None:
+            # No driver channel yet, so no rank: nothing could checkpoint in a grace period.
+            return "; it had not started training, so it was ended without a grace period"
+        write_stop_request(self.staging_dir, why, grace)
+        self._say(f"stop requested ({why}): ranks have {grace:g} s to checkpoint")
+        start = time.monotonic()
+        deadline = start + grace
+        while self._run_thread.is_alive() and time.monotonic() < deadline:
+            if stop_declined(self.staging_dir):  # no rank watches for stops: nothing to wait for
+                return "; no rank's code watches for stops, so it was ended without a grace period"
+            self._run_thread.join(min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
+        if self._run_thread.is_alive():
+            self._say(f"the ranks did not end within the {grace:g} s grace period: the run is killed")
+            return f"; the ranks had {grace:g} s to checkpoint and were killed when it ran out"
+        took = time.monotonic() - start
+        self._say(f"the run ended {took:.1f} s after the stop request")
+        return f"; the ranks ended {took:.1f} s after the stop request (grace period {grace:g} s)"
+
+    def _say(self, text: str) -> None:
+        """A line of the supervisor's own in the run's log (the task log of whoever follows)."""
+        log(text)
+        self.state.add_line(f"[torchdist] {text}")
+
     def teardown(self, reason: str | None = None) -> None:
         """End everything of the run and remove its traces; idempotent."""
         with self._cond:
@@ -184,12 +219,17 @@ class RunSupervisor(OwnerRules):
             process = self.process
             self._cond.notify_all()
         log(f"tearing down: {reason}")
+        running = process is not None and not self.state.ended and self._run_thread.is_alive()
+        grace = self.config.stop_grace_period if running else 0.0
         if self._lock_file is not None:
-            self._lock_file.mark_ending()  # the next run of this task may wait for the lock now
+            # The next run of this task may wait for the lock now, for as long as this stop can take.
+            self._lock_file.mark_ending(time.time() + grace + ENDING_WAIT_S)
         if self.server is not None:
             self.server.stop_accepting()  # a new owner now finds nothing: the run is gone
+        stopped = self._stop_gracefully(grace) if grace > 0 else ""
         if not self.state.ended:
-            self.state.finish("failed", error=run_error or f"The run was torn down before it ended: {reason}")
+            error = run_error or f"The run was torn down before it ended: {reason}"
+            self.state.finish("failed", error=f"{error}{stopped}")
         if process is not None:
             end_process(process, self._run_thread)
         if self._follower is not None:

@@ -45,6 +45,7 @@ the lock (:mod:`~airflow_provider_torchdist.supervision.lock`), :class:`RunSuper
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import sys
 import tempfile
@@ -59,6 +60,7 @@ from airflow_provider_torchdist.supervision.config import (
     EXIT_OK,
     EXIT_START_FAILED,
     LOCK_FILE,
+    LOCK_WAIT_FILE,
     LOG_FILE,
     PLAN_FILE,
     RunLocked,
@@ -108,6 +110,13 @@ def write_start_error(staging_dir: Path, text: str) -> None:
         write_private_text(staging_dir / ERROR_FILE, text + "\n")
 
 
+def _say_lock_wait(staging_dir: Path, until: float) -> None:
+    """The earlier run of this task is still stopping: say until when, for the task (``LOCK_WAIT_FILE``)."""
+    log(f"waiting for the earlier run of this task to finish stopping (until {until:.0f})")
+    with contextlib.suppress(OSError):
+        write_private_text(staging_dir / LOCK_WAIT_FILE, json.dumps({"until": until}))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
@@ -122,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         config = SupervisorConfig.read(staging)
         plan_text = read_plan_text(staging)
         if config.checkpoint_dir:
-            lock = RunLock.acquire(config.checkpoint_dir)
+            lock = RunLock.acquire(
+                config.checkpoint_dir, on_wait=lambda until: _say_lock_wait(staging, until)
+            )
         supervisor = RunSupervisor(staging, config, plan_text=plan_text, lock=lock)
         supervisor.listen()
     except SupervisorStartError as exc:

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -32,7 +33,7 @@ from airflow_provider_torchdist.spark.wire.outcome import RankFailure
 from airflow_provider_torchdist.submit.plan import SubmitPlan
 from airflow_provider_torchdist.submit.properties import write_private_text
 from airflow_provider_torchdist.submit.staging import StagedRun
-from airflow_provider_torchdist.supervision.config import ERROR_FILE, LOG_FILE, PLAN_FILE
+from airflow_provider_torchdist.supervision.config import ERROR_FILE, LOCK_WAIT_FILE, LOG_FILE, PLAN_FILE
 from airflow_provider_torchdist.supervision.lifeline import (
     AppEvent,
     DoneEvent,
@@ -44,6 +45,7 @@ from airflow_provider_torchdist.supervision.lifeline import (
     RunStatus,
     query_status,
 )
+from airflow_provider_torchdist.supervision.lock import MAX_ENDING_S
 from airflow_provider_torchdist.supervision.processes import end_session, start_detached
 from airflow_provider_torchdist.supervision.record import RunRecord, TaskBinding, owner_secret
 from airflow_provider_torchdist.supervision.sweep import ADDRESS_FILE, SUPERVISOR_FILE, SUPERVISOR_MODULE
@@ -106,6 +108,7 @@ def start_supervisor(
                 task=task,
             )
         code = process.poll()
+        deadline = max(deadline, _lock_wait_deadline(staged.dir))
         if code is not None or time.monotonic() > deadline:
             why = _start_failure(staged.dir, code)
             end_session(process.pid, grace=2.0)
@@ -139,6 +142,7 @@ def _hand_over(
                 # Handed over in a private file: the supervisor does not read Airflow's config.
                 "owner_secret_hex": owner_secret(run_id, task=task).hex(),
                 "output_file": str(staged.output_path) if staged.spec.kind == "callable" else None,
+                "stop_grace_period": float(staged.spec.stop_grace_period),
             }
         ),
     )
@@ -155,6 +159,20 @@ def supervisor_environment(environ: Mapping[str, str]) -> dict[str, str]:
     env.pop("AIRFLOW__CORE__SQL_ALCHEMY_CONN", None)
     env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = "sqlite://"
     return env
+
+
+def _lock_wait_deadline(staging: Path) -> float:
+    """How long to wait for a supervisor that waits for an earlier run's stop (``LOCK_WAIT_FILE``):
+    until that run said it would be gone, then :data:`START_TIMEOUT_S` (monotonic; 0 when none)."""
+    try:
+        until = json.loads((staging / LOCK_WAIT_FILE).read_text())["until"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+    if isinstance(until, bool) or not isinstance(until, (int, float)) or not math.isfinite(until):
+        return 0.0
+    # Capped as the lock caps it: an hour's grace and the hard end.
+    left = min(until - time.time(), MAX_ENDING_S)
+    return time.monotonic() + max(0.0, left) + START_TIMEOUT_S
 
 
 def _read_address(path: Path) -> dict[str, Any] | None:
@@ -225,12 +243,13 @@ def run_state(record: RunRecord) -> str:
         return GONE
 
 
-def end_run(record: RunRecord, timeout: float = 30.0) -> None:
+def end_run(record: RunRecord, timeout: float = 30.0, why: str | None = None) -> None:
     """Stop a run this task no longer wants (a failed run kept for its owner), and wait until its
-    supervisor is gone, so that its checkpoint lock is free for the next run."""
+    supervisor stops answering (its ranks then have their grace period; a next run of the task
+    waits for the checkpoint lock). ``why``: what the ranks are told ("timeout", "killed")."""
     try:
         with connect_owner(record) as owner:
-            owner.stop()
+            owner.stop(why)
     except RunGone:
         return
     deadline = time.monotonic() + timeout

@@ -171,7 +171,7 @@ class TorchDistributorTrigger(BaseTrigger):
             record.run_id,
         )
         try:
-            await self.on_kill()
+            await self._stop_run("timeout")
         except Exception as exc:  # the task makes sure the run ended (execute_complete)
             self.log.warning("Could not stop run %s at its deadline: %s", record.run_id, exc)
         return self._event(
@@ -248,6 +248,10 @@ class TorchDistributorTrigger(BaseTrigger):
 
     async def on_kill(self) -> None:
         """The user killed the deferred task (mark-failed, clear): stop the run, then close."""
+        await self._stop_run("killed")
+
+    async def _stop_run(self, why: str) -> None:
+        """Tell the run's supervisor to stop it (``why``: "killed", "timeout"), then close."""
         record = self._record
         try:
             for attempt in range(2):
@@ -266,7 +270,7 @@ class TorchDistributorTrigger(BaseTrigger):
                         self.log.info("Run %s had already ended; nothing to stop.", record.run_id)
                         return
                 try:
-                    await connection.stop()
+                    await connection.stop(why)
                 except LifelineError:
                     if attempt:
                         raise

@@ -103,6 +103,42 @@ def train_resumable(steps: int, every: int, die_at: int) -> dict:
     return {"resumed_from": start, "weight": weight.item(), "checkpoint_dir": str(checkpoint_dir())}
 
 
+def train_until_stopped(steps: int) -> dict:
+    """Trains slowly until something stops it, checkpointing on the stop; a resumed run (a
+    checkpoint exists) trains the rest at full speed. Every rank appends each step it trains to
+    ``steps-<rank>.log`` in the checkpoint directory: the test reads what trained, and how often."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from airflow_provider_torchdist import (
+        checkpoint_dir,
+        load_latest_checkpoint,
+        save_checkpoint,
+        stop_requested,
+    )
+
+    dist.init_process_group("gloo")
+    start, state = load_latest_checkpoint() or (0, None)
+    weight = state["weight"] if state else torch.zeros(1)
+    log = checkpoint_dir() / f"steps-{dist.get_rank()}.log"
+    for step in range(start, steps):
+        one = torch.ones(1)
+        dist.all_reduce(one)
+        weight = weight + 1
+        with open(log, "a") as f:
+            f.write(f"{step}\n")
+        if state is None:
+            time.sleep(0.2)  # the first try trains until its execution_timeout stops it
+        if stop_requested(all_ranks=True):  # every rank stops after the same step
+            save_checkpoint({"weight": weight}, step + 1)
+            dist.destroy_process_group()
+            return {"stopped_after": step + 1}
+    dist.destroy_process_group()
+    return {"resumed_from": start, "weight": weight.item()}
+
+
 def sleep_long() -> None:
     import os
     import time
@@ -148,6 +184,22 @@ def timeout():
         local_mode=False,
         # Long enough for both ranks to start on a loaded 2-core CI machine (25 s was not).
         execution_timeout=timedelta(seconds=60),
+    )
+
+
+@dag(dag_id="torchdist_e2e_graceful_resume", schedule=None, start_date=START, catchup=False)
+def graceful_resume():
+    # Try 1 is stopped by its execution_timeout and checkpoints in its grace period; try 2 resumes.
+    TorchDistributorOperator(
+        task_id="train",
+        train_object=train_until_stopped,
+        args=[2000],
+        num_processes=2,
+        local_mode=True,
+        execution_timeout=timedelta(seconds=40),
+        retries=1,
+        retry_delay=timedelta(seconds=0),
+        stop_grace_period=20,
     )
 
 
@@ -243,6 +295,7 @@ def large_output():
 
 retry_resume()
 timeout()
+graceful_resume()
 large_output()
 bad_submit()
 log_ranks()

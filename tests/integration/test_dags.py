@@ -20,6 +20,7 @@ DAG_IDS = [
     "torchdist_e2e_failure",
     "torchdist_e2e_retry_resume",
     "torchdist_e2e_timeout",
+    "torchdist_e2e_graceful_resume",
     "torchdist_e2e_large_output",
     "torchdist_e2e_bad_submit",
     "torchdist_e2e_module_local",
@@ -153,6 +154,33 @@ def test_execution_timeout_kills_every_process(dag_runs: tuple[dict, Path, str])
     assert len(sleepers) == 2  # both ranks were running when the timeout hit
     for marker in sleepers:
         assert not Path(f"/proc/{marker.name}").exists(), f"rank process {marker.name} outlived the timeout"
+
+
+def test_a_run_stopped_by_its_timeout_checkpoints_in_its_grace_period_and_the_retry_resumes(
+    dag_runs: tuple[dict, Path, str],
+) -> None:
+    """Try 1 trains until its execution_timeout; the ranks get the stop, checkpoint after the same
+    step and return within the grace period; the retry (no delay) waits for the stopped run, then
+    resumes from that checkpoint. The ranks' own step logs show every step trained, none twice."""
+    states, db, output = dag_runs
+    dag_id = "torchdist_e2e_graceful_resume"
+    assert states[dag_id]["state"] == "success", output[-5000:]
+    assert _task_tries(db, dag_id)["train"] == ("success", 2)
+    result = xcom(db, dag_id, states[dag_id]["run_id"], "train")
+    stopped_at = result["resumed_from"]
+    assert stopped_at > 0, "try 1 trained no step before its timeout: the test proved nothing"
+    assert result["weight"] == 2000.0
+    assert "stop requested (timeout): ranks have 20 s to checkpoint" in output
+    assert "the stop request (timeout) goes to 2 rank(s)" in output
+    assert "s after the stop request" in output  # it ended by itself, not at the end of the grace period
+    checkpoints = next((db.parent / "torchdist-checkpoints" / dag_id).rglob("steps-0.log")).parent
+    for rank in (0, 1):
+        trained = [int(x) for x in (checkpoints / f"steps-{rank}.log").read_text().split()]
+        assert sorted(set(trained)) == list(range(2000)), f"rank {rank} skipped steps"
+        # The step under way when the stop came finished and was checkpointed: nothing trained twice
+        # (the issue allows the interrupted one).
+        assert len(trained) - len(set(trained)) <= 1, f"rank {rank} trained steps twice"
+        assert trained.index(stopped_at) == stopped_at  # try 2 began where try 1's checkpoint ended
 
 
 def test_large_output_travels_by_reference(dag_runs: tuple[dict, Path, str]) -> None:

@@ -156,6 +156,31 @@ PARSE_TIME = [
         id="slot_timeout-0",
     ),
     pytest.param(
+        {"stop_grace_period": -1},
+        r"stop_grace_period must be a finite number of seconds >= 0 \(0: no grace, the run is killed at once\), got -1",
+        id="stop_grace_period-negative",
+    ),
+    pytest.param(
+        {"stop_grace_period": float("nan")},
+        r"stop_grace_period must be a finite number of seconds >= 0 .*, got nan",
+        id="stop_grace_period-nan",
+    ),
+    pytest.param(
+        {"stop_grace_period": 86400},
+        r"stop_grace_period must be at most 3600 seconds \(an hour\), got 86400: a stop that waits longer",
+        id="stop_grace_period-too-long",
+    ),
+    pytest.param(
+        {"stop_signal": "SIGKILL"},
+        r"stop_signal must be one of SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, got 'SIGKILL'",
+        id="stop_signal-uncatchable",
+    ),
+    pytest.param(
+        {"stop_signal": 15},
+        r"stop_signal must be one of SIGTERM, .*, got 15",
+        id="stop_signal-number",
+    ),
+    pytest.param(
         {"max_xcom_output_bytes": -1},
         r"max_xcom_output_bytes must be an integer >= 0, got -1",
         id="max_xcom_output_bytes-negative",
@@ -307,6 +332,14 @@ def test_good_values_of_the_new_checks_are_accepted() -> None:
     # fast_jvm_start is a setting of its own now; spark_submit_kwargs still takes it, as before.
     assert op.fast_jvm_start is False and "fast_jvm_start" not in op.spark_submit_kwargs
     assert op.training_spec().fast_jvm_start is False
+    graceful = TorchDistributorOperator(
+        task_id="g", train_object="/dags/train.py", stop_grace_period="0", stop_signal=" usr1 "
+    )
+    assert (graceful.stop_grace_period, graceful.stop_signal) == (0.0, "SIGUSR1")
+    templated = TorchDistributorOperator(
+        task_id="t", train_object="/dags/train.py", stop_grace_period="{{ params.grace }}"
+    )
+    assert "stop_grace_period" in templated.template_fields and "stop_signal" in templated.template_fields
 
 
 def test_good_elastic_values_are_accepted_and_normalized() -> None:

@@ -8,7 +8,8 @@ before anything else it sends is read. After the hello, a rank or agent sends th
 :mod:`~airflow_provider_torchdist.spark.wire.protocol`, each only from the role that may send it
 (:meth:`RunChannel._handle`); what they report goes into the socket-free
 :class:`~airflow_provider_torchdist.spark.driver.ledger.RunLedger`. An owner sends nothing more: it
-receives the log lines the driver prints, the application and metrics (:mod:`.owner`).
+receives the log lines the driver prints, the application and metrics (:mod:`.owner`). The
+driver sends a rank one thing: a stop request, when the run is stopped (:mod:`.stop_fanout`).
 The ranks' and agents' end is :mod:`~airflow_provider_torchdist.spark.node.channel_client`.
 """
 
@@ -32,6 +33,7 @@ from airflow_provider_torchdist.spark.driver.ledger import RunLedger
 from airflow_provider_torchdist.spark.driver.output_receipt import receive_output
 from airflow_provider_torchdist.spark.driver.owner import OwnerHub
 from airflow_provider_torchdist.spark.driver.rank_logs import RankLogFilter
+from airflow_provider_torchdist.spark.driver.stop_fanout import StopFanout
 from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
 from airflow_provider_torchdist.spark.node.metrics import format_metrics
 from airflow_provider_torchdist.spark.wire import protocol as wire
@@ -119,6 +121,8 @@ class RunChannel:
         self._on_world_size = on_world_size
         self._out = out or sys.stdout
         self._print_lock = threading.Lock()
+        #: A graceful stop: the request to every rank, their answers (``stop-request.json``).
+        self.stops = StopFanout(self._output_dir, self.say)
         channel = self
 
         class _Handler(socketserver.StreamRequestHandler):
@@ -146,6 +150,7 @@ class RunChannel:
 
     def __enter__(self) -> RunChannel:
         self._thread.start()
+        self.stops.watch()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -153,6 +158,7 @@ class RunChannel:
 
     def close(self) -> None:
         """Stop serving; owners get what is queued for them, then their stream ends."""
+        self.stops.close()
         self.ledger.close()
         self._server.shutdown()
         self._server.server_close()
@@ -241,6 +247,8 @@ class RunChannel:
         assert peer.node is not None
         host = peer.node.shown
         this = _Connection(peer, conn, rfile, host, wire.rank_prefix(peer.rank, host))
+        if peer.rank is not None:
+            self.stops.rank_connected(conn, peer.rank)
         clean = False
         try:
             for raw in rfile:
@@ -251,6 +259,8 @@ class RunChannel:
                 self._handle(msg, this)
         except (OSError, ValueError) as exc:
             self.say(f"channel from {this.prefix} broke: {exc!r}")
+        finally:
+            self.stops.rank_gone(conn)
         if not clean:
             if peer.rank is not None:
                 self.ledger.rank_vanished(peer.rank, host)
@@ -312,6 +322,8 @@ class RunChannel:
                 self.ledger.master_announced(this.generation, host, port)
             case wire.MasterQuery(timeout=timeout) if agent:
                 this.sock.sendall(wire.encode(self.ledger.wait_for_master(this.generation, timeout)))
+            case wire.StopAnswer(watching=watching) if rank is not None:
+                self.stops.answered(rank, watching)
             case wire.WorldSize(world_size=size) if rank == 0 and self._on_world_size:
                 if this.elastic_generation is not None:
                     raise wire.ProtocolError("a second 'world_size' message on one connection")

@@ -35,6 +35,9 @@ from airflow_provider_torchdist.spark.wire.protocol import (
     encode,
 )
 
+#: The longest message the driver pushes to a rank (a stop request is under 300 bytes).
+MAX_PUSH_BYTES = 64 * 1024
+
 
 class ChannelClient:
     """A rank's or agent's end of the run channel. Thread-safe; never raises after connecting.
@@ -186,6 +189,34 @@ class ChannelClient:
     def output_in_place(self, name: str, **meta: Any) -> bool:
         """Tell the driver that the output is the file ``name`` written into its output directory."""
         return self.send(OutputFile(name, **meta))
+
+    def listen(self, on_message: Callable[[Message], None]) -> None:
+        """Hand each message the driver sends on this connection (a rank's: a
+        :class:`~airflow_provider_torchdist.spark.wire.protocol.StopRequest`) to ``on_message``,
+        from a thread of its own, until the connection ends. Use it only where nothing else reads
+        (a rank's connection: its sends are never answered)."""
+
+        def read() -> None:
+            buffer = b""
+            while True:
+                try:
+                    chunk = self._sock.recv(4096)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                buffer += chunk
+                if len(buffer) > MAX_PUSH_BYTES:
+                    return  # not a message this side expects: stop listening, keep sending
+                while b"\n" in buffer:
+                    raw, buffer = buffer.split(b"\n", 1)
+                    try:
+                        message = decode(raw)
+                    except ValueError:
+                        return
+                    on_message(message)
+
+        threading.Thread(target=read, daemon=True, name="torchdist-driver-listen").start()
 
     def watch_driver(self, on_lost: Callable[[], None], every: float = 0.5) -> Callable[[], None]:
         """Call ``on_lost`` (from a thread of its own) when the driver's end of this connection

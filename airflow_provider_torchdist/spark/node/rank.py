@@ -17,14 +17,20 @@ from typing import Any
 
 import cloudpickle
 
-from airflow_provider_torchdist.spark.node import rank_context
+from airflow_provider_torchdist.spark.node import rank_context, stop
 from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
 from airflow_provider_torchdist.spark.node.output_capture import OutputCapture
 from airflow_provider_torchdist.spark.node.rank_output import send_output
 from airflow_provider_torchdist.spark.wire import parent_death
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
-from airflow_provider_torchdist.spark.wire.protocol import WorldSize, rank_prefix
+from airflow_provider_torchdist.spark.wire.protocol import (
+    Message,
+    StopAnswer,
+    StopRequest,
+    WorldSize,
+    rank_prefix,
+)
 
 _HERE = os.path.dirname(__file__)
 
@@ -170,6 +176,13 @@ def connect_rank(
         return None
 
 
+def _on_driver_message(client: ChannelClient, message: Message, signame: str) -> None:
+    """What the driver pushes to a rank: a stop request, answered with whether this rank watches
+    for stops (anything else is not for a rank: ignored)."""
+    if isinstance(message, StopRequest):
+        client.send(StopAnswer(stop.request_stop(message.reason, message.grace, signame)))
+
+
 def run_rank(
     spec: JobSpec,
     entry_path: str,
@@ -196,6 +209,9 @@ def run_rank(
         # from it (and numbers the generation whose output this rank's connection may carry).
         client.send(WorldSize(int(os.environ["WORLD_SIZE"])))
     rank_context.set_client(client)  # for report()
+    stop.install(spec.stop_signal)  # before the channel can deliver a stop: see stop.py
+    if client:
+        client.listen(lambda message: _on_driver_message(client, message, spec.stop_signal))
     capture = OutputCapture(client, prefix)
     capture.start()
     try:

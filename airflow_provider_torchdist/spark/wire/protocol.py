@@ -14,6 +14,9 @@ Example::
 ``ValueError``) that says which message and field. Standard library only.
 """
 
+# size: the catalog of the run channel's messages, one small dataclass per kind: read whole, it is
+# the protocol; split, its kinds would hide from each other.
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +28,9 @@ from airflow_provider_torchdist.spark.wire.connect_ids import split_operation
 from airflow_provider_torchdist.spark.wire.json_lines import json_object
 from airflow_provider_torchdist.spark.wire.message import Message, ProtocolError, checked_field
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
+
+#: The longest reason a :class:`StopRequest` carries (the stopper's own words, cut to fit).
+STOP_REASON_CHARS = 200
 
 
 def rank_prefix(rank: int | None, host: str | None) -> str:
@@ -222,6 +228,34 @@ class WorldSize(Message):
     def check(self) -> None:
         if not 0 < self.world_size <= 1 << 20:
             raise ProtocolError(f"'world_size' message: bad world size {self.world_size}")
+
+
+@dataclass(frozen=True)
+class StopRequest(Message):
+    """To a rank, from the driver: the run is being stopped (``reason``: "timeout", ...); the rank
+    has ``grace`` seconds to checkpoint and return before what is left of the run is killed."""
+
+    KIND = "stop"
+    SCHEMA = (("reason", "reason", _STR, False), ("grace", "grace", _NUMBER, False))
+    reason: str
+    grace: float
+
+    def check(self) -> None:
+        if not 0 <= self.grace <= 7 * 24 * 3600:  # NaN fails this too
+            raise ProtocolError(f"'stop' message: bad grace period {self.grace}")
+        if len(self.reason) > STOP_REASON_CHARS:
+            raise ProtocolError(f"'stop' message: a reason of {len(self.reason)} characters")
+
+
+@dataclass(frozen=True)
+class StopAnswer(Message):
+    """A rank's answer to a :class:`StopRequest`: whether its code watches for stops (it has asked
+    ``stop_requested()``, or handles the stop signal itself). When no rank does, waiting out the
+    grace period would save nothing: the run is killed at once."""
+
+    KIND = "stop!"
+    SCHEMA = (("watching", "watching", (bool,), False),)
+    watching: bool
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from airflow_provider_torchdist.supervision.lifeline.handshake import _ClientHan
 from airflow_provider_torchdist.supervision.lifeline.messages import (
     HELLO_TIMEOUT_S,
     MAX_LINE_BYTES,
+    MAX_WHY_CHARS,
     OWNER_KINDS,
     OWNER_SILENCE_S,
     PING_INTERVAL_S,
@@ -120,8 +121,9 @@ class AsyncOwnerConnection:
             if event is not None:
                 yield event
 
-    async def stop(self) -> None:
-        await self._command("stop")
+    async def stop(self, why: str | None = None) -> None:
+        """As :meth:`OwnerConnection.stop`."""
+        await self._command("stop", why)
 
     async def detach(self) -> None:
         await self._command("detach")
@@ -129,9 +131,9 @@ class AsyncOwnerConnection:
     async def release(self) -> None:
         await self._command("release")
 
-    async def _command(self, name: str) -> None:
+    async def _command(self, name: str, why: str | None = None) -> None:
         try:
-            await self._send({"k": name})
+            await self._send({"k": name, **({"why": why[:MAX_WHY_CHARS]} if why else {})})
         except LifelineError:
             if self._events.done is None:
                 raise

@@ -15,6 +15,7 @@ from airflow_provider_torchdist.supervision.lifeline.events import Event, _Event
 from airflow_provider_torchdist.supervision.lifeline.handshake import _ClientHandshake
 from airflow_provider_torchdist.supervision.lifeline.messages import (
     HELLO_TIMEOUT_S,
+    MAX_WHY_CHARS,
     OWNER_KINDS,
     OWNER_SILENCE_S,
     PING_INTERVAL_S,
@@ -130,9 +131,10 @@ class OwnerConnection:
         """The final status once :meth:`events` yielded it."""
         return self._events.done
 
-    def stop(self) -> None:
-        """End the run now: its supervisor tears it down (its state becomes failed, "stopped by its owner")."""
-        self._command("stop")
+    def stop(self, why: str | None = None) -> None:
+        """End the run: its supervisor gives the ranks ``stop_grace_period`` to checkpoint, then tears
+        it down (its state becomes failed, "stopped by its owner (why)"). ``why``: "timeout", ..."""
+        self._command("stop", why)
 
     def detach(self) -> None:
         """Leave on purpose: the run waits ``reattach_timeout`` for its next owner."""
@@ -161,9 +163,9 @@ class OwnerConnection:
         self._send({"k": "fetch"})
         return receive_output(self._reader, self._events, self._silence, expected, Path(dest_dir))
 
-    def _command(self, name: str) -> None:
+    def _command(self, name: str, why: str | None = None) -> None:
         try:
-            self._send({"k": name})
+            self._send({"k": name, **({"why": why[:MAX_WHY_CHARS]} if why else {})})
         except LifelineError:
             # After "done" the run is over either way: a lifeline the supervisor already closed
             # (it tore the run down) is not worth an error.

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from airflow_provider_torchdist.spark.wire.connect_ids import split_operation
+from airflow_provider_torchdist.spark.wire.logsafe import escape_controls
 from airflow_provider_torchdist.supervision.lifeline.messages import (
     COMMANDS,
+    MAX_WHY_CHARS,
     LifelineError,
     MalformedMessage,
     _exact_keys,
@@ -127,11 +129,17 @@ def parse_server_message(msg: dict[str, Any]) -> Event | _Ping | _Closing | _Out
     raise MalformedMessage(f"unknown message kind {kind!r}")
 
 
-def parse_command(msg: dict[str, Any]) -> str:
-    """An owner's command (one of ``COMMANDS``); :class:`MalformedMessage` otherwise."""
-    _exact_keys(msg, {"k"}, "malformed command")
+def parse_command(msg: dict[str, Any]) -> tuple[str, str | None]:
+    """An owner's command (one of ``COMMANDS``) and, for ``stop``, why it stops the run ("timeout",
+    "killed"; None when it does not say); :class:`MalformedMessage` otherwise."""
+    _exact_keys(msg, {"k"}, "malformed command", optional={"why"} if msg.get("k") == "stop" else set())
     _require(msg["k"] in COMMANDS, f"unknown command {msg['k']!r} (one of {', '.join(COMMANDS)})")
-    return msg["k"]
+    why = msg.get("why")
+    _require(
+        why is None or (isinstance(why, str) and 0 < len(why) <= MAX_WHY_CHARS),
+        f"malformed 'stop': why must be a string of 1 to {MAX_WHY_CHARS} characters",
+    )
+    return msg["k"], escape_controls(why) if why is not None else None
 
 
 class _Events:

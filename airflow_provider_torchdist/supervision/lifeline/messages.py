@@ -37,6 +37,8 @@ ENDED_STATES = ("succeeded", "failed")
 #: What a failed run's ``error_kind`` can be (None for a run that has not failed).
 ERROR_KINDS = (None, "training", "run")
 COMMANDS = ("ping", "stop", "detach", "release", "fetch")
+#: The longest ``why`` a ``stop`` command carries ("timeout", "killed", ...).
+MAX_WHY_CHARS = 200
 
 #: How much of one log line travels (in characters): JSON may spell a character in 6 bytes.
 MAX_TEXT_CHARS = MAX_LINE_BYTES // 8

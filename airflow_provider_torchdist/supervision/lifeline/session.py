@@ -23,8 +23,9 @@ class OwnerListener(Protocol):
 
     def owner_attached(self, owner: OwnerSession) -> None: ...
 
-    def owner_command(self, owner: OwnerSession, command: str) -> str | None:
-        """``stop``, ``detach`` or ``release``; a returned text is sent back as an error."""
+    def owner_command(self, owner: OwnerSession, command: str, why: str | None = None) -> str | None:
+        """``stop`` (``why``: the owner's reason, such as "timeout"), ``detach`` or ``release``; a
+        returned text is sent back as an error."""
         ...
 
     def owner_lost(self, owner: OwnerSession, why: str) -> None:
@@ -38,7 +39,7 @@ class _AnyOwner:
     def owner_attached(self, owner: OwnerSession) -> None:
         pass
 
-    def owner_command(self, owner: OwnerSession, command: str) -> str | None:
+    def owner_command(self, owner: OwnerSession, command: str, why: str | None = None) -> str | None:
         return None
 
     def owner_lost(self, owner: OwnerSession, why: str) -> None:
@@ -137,7 +138,7 @@ class OwnerSession:
             if msg is None:
                 return self._why_closed("it closed the connection")
             try:
-                command = parse_command(msg)
+                command, why = parse_command(msg)
             except MalformedMessage as exc:
                 self.send_error(str(exc))
                 continue
@@ -151,7 +152,7 @@ class OwnerSession:
                 continue
             if command == "detach":
                 self.detached = True
-            error = listener.owner_command(self, command)
+            error = listener.owner_command(self, command, why)
             if error:
                 self.send_error(error)
 

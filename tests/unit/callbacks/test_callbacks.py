@@ -266,3 +266,71 @@ def test_the_package_imports_without_the_frameworks_and_names_the_missing_one() 
     assert (
         lines[3] == "other -> module 'airflow_provider_torchdist.callbacks' has no attribute 'NoSuchCallback'"
     )
+
+
+# -- a graceful stop -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stop_after(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The run is stopped once the callbacks have asked ``stop_requested`` n times (as if the stop
+    came during that step); no signal is involved here (``tests/unit/spark/node/test_stop.py``)."""
+    from airflow_provider_torchdist.spark.node import stop
+
+    def arm(n: int) -> list[int]:
+        asked = [0]
+
+        def stop_requested(all_ranks: bool = False) -> bool:
+            asked[0] += 1
+            return asked[0] >= n
+
+        monkeypatch.setattr(stop, "stop_requested", stop_requested)
+        return asked
+
+    return arm
+
+
+def test_lightning_saves_a_checkpoint_and_ends_fit_when_the_run_is_stopped(
+    sent_metrics: list[dict[str, Any]], stop_after: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow_provider_torchdist.callbacks import LightningReportCallback
+
+    monkeypatch.setenv("TORCHDIST_CHECKPOINT_DIR", str(tmp_path))
+    asked = stop_after(3)
+    _lightning_fit(LightningReportCallback(), max_epochs=3)  # 12 batches, had it not been stopped
+    assert asked[0] == 3  # fit ended after the third batch
+    saved = torch.load(tmp_path / "stopped.ckpt", weights_only=False)
+    assert saved["global_step"] == 3
+
+
+def test_transformers_saves_a_checkpoint_and_ends_train_when_the_run_is_stopped(
+    sent_metrics: list[dict[str, Any]], stop_after: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+
+    from airflow_provider_torchdist.callbacks import TransformersReportCallback
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = transformers.GPT2Config(
+        vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+    )
+    ids = torch.randint(0, 32, (32, 8), generator=torch.Generator().manual_seed(0))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_train_epochs=2,
+        report_to=[],
+        save_strategy="no",  # nothing saved but what the stop asks for
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    asked = stop_after(2)
+    trainer = transformers.Trainer(
+        model=transformers.GPT2LMHeadModel(config),
+        args=args,
+        train_dataset=[{"input_ids": row, "labels": row} for row in ids],
+        callbacks=[TransformersReportCallback()],
+    )
+    trainer.train()
+    assert asked[0] == 2 and trainer.state.global_step == 2  # of 8
+    assert (tmp_path / "checkpoint-2").is_dir()

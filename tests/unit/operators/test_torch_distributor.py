@@ -543,12 +543,16 @@ def test_a_run_already_past_its_deadline_is_stopped_before_it_is_followed(monkey
     from airflow_provider_torchdist.operators import run_control as operator_module
 
     ended = []
-    monkeypatch.setattr(operator_module, "end_run", lambda r, timeout: ended.append(r.run_id))
+    whys: list[str | None] = []
+    monkeypatch.setattr(
+        operator_module, "end_run", lambda r, timeout, why: ended.append(r.run_id) or whys.append(why)
+    )
     op = _op()
     op._hook = hook = WatchedHook(op)
     with pytest.raises(AirflowTaskTimeout, match="before this try could take it over"):
         op._follow(_record(deadline=time.time() - 5), {"ti": FakeTI()}, ended=False)
     assert ended == ["run-1"] and hook.stops == []
+    assert whys == ["timeout"]  # what the ranks are told
 
 
 def test_execute_complete_after_a_timeout_event_makes_sure_the_run_ended_then_times_out(monkeypatch):
@@ -558,13 +562,17 @@ def test_execute_complete_after_a_timeout_event_makes_sure_the_run_ended_then_ti
 
     record = _record(deadline=1767225600.0)
     ended = []
-    monkeypatch.setattr(operator_module, "end_run", lambda r, timeout: ended.append(r))
+    whys: list[str | None] = []
+    monkeypatch.setattr(
+        operator_module, "end_run", lambda r, timeout, why: ended.append(r) or whys.append(why)
+    )
     event = {"state": "timeout", "message": "...", "record": record.to_dict()}
     with pytest.raises(
         AirflowTaskTimeout, match=r"Run run-1 .*2026-01-01T00:00:00\+00:00.* while the task was deferred"
     ):
         _op().execute_complete({"ti": FakeTI()}, event)
     assert ended == [record]
+    assert whys == ["timeout"]  # what the ranks are told
 
 
 def test_airflows_own_trigger_timeout_stops_the_run_from_its_record_then_times_out(monkeypatch):
@@ -574,12 +582,16 @@ def test_airflows_own_trigger_timeout_stops_the_run_from_its_record_then_times_o
 
     record = _record(deadline=1767225600.0)
     ended = []
-    monkeypatch.setattr(operator_module, "end_run", lambda r, timeout: ended.append(r))
+    whys: list[str | None] = []
+    monkeypatch.setattr(
+        operator_module, "end_run", lambda r, timeout, why: ended.append(r) or whys.append(why)
+    )
     store = {"torchdist_run": record.to_dict()}
     context = {"ti": FakeTI(), "task_state_store": store}
     with pytest.raises(AirflowTaskTimeout, match="Run run-1"):
         _op().resume_execution("__fail__", {"error": "Trigger timeout"}, context)
     assert ended == [record]
+    assert whys == ["timeout"]  # what the ranks are told
     # Another trigger failure is Airflow's to raise, as before (TaskDeferralError, which Airflow
     # 3.0 keeps in airflow.exceptions and 3.3 in airflow.sdk.exceptions).
     with pytest.raises(Exception) as failed:
@@ -660,20 +672,25 @@ def test_the_hooks_stop_at_the_deadline_stops_a_run_still_going_and_nothing_ende
     from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 
     ended = []
-    monkeypatch.setattr(hook_module, "end_run", lambda r, timeout: ended.append(r.run_id))
+    whys: list[str | None] = []
+    monkeypatch.setattr(
+        hook_module, "end_run", lambda r, timeout, why: ended.append(r.run_id) or whys.append(why)
+    )
     hook = TorchDistributorHook(spec=_op().training_spec())
     assert hook.stop_run(_record()) is True and ended == ["run-1"]  # not owned here: a new lifeline
+    assert whys == ["timeout"]  # what the ranks are told
 
     class Owner:
         stops = 0
 
-        def stop(self):
+        def stop(self, why=None):
             Owner.stops += 1
+            whys.append(why)
 
     hook._owner, hook.record = Owner(), _record()
     # The record the operator holds has gained a deadline since: still the same run, same lifeline.
     assert hook.stop_run(dataclasses.replace(_record(), deadline=1767225600.0)) is True
-    assert Owner.stops == 1 and ended == ["run-1"]
+    assert Owner.stops == 1 and ended == ["run-1"] and whys == ["timeout", "timeout"]
     hook.run_status = object()  # the run has ended: its result is on its way, nothing to stop
     assert hook.stop_run(_record()) is False and Owner.stops == 1
 
@@ -713,7 +730,8 @@ def test_a_run_whose_task_was_cleared_since_it_started_is_stopped_not_reattached
     from airflow_provider_torchdist.operators import run_control as operator_module
 
     ended = []
-    monkeypatch.setattr(operator_module, "end_run", lambda r: ended.append(r.run_id))
+    whys: list[str | None] = []
+    monkeypatch.setattr(operator_module, "end_run", lambda r, why: ended.append(r.run_id) or whys.append(why))
     monkeypatch.setattr(operator_module, "run_state", lambda r: "running")
     ti = FakeTI()
     ti.max_tries = now

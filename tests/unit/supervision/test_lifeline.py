@@ -57,12 +57,14 @@ class Recorder:
         self.commands: list[tuple[str, str]] = []
         self.lost: list[tuple[OwnerSession, str]] = []
         self.refuse: dict[str, str] = {}
+        self.whys: list[str | None] = []
 
     def owner_attached(self, owner: OwnerSession) -> None:
         self.attached.append(owner)
 
-    def owner_command(self, owner: OwnerSession, command: str) -> str | None:
+    def owner_command(self, owner: OwnerSession, command: str, why: str | None = None) -> str | None:
         self.commands.append((owner.kind, command))
+        self.whys.append(why)
         return self.refuse.get(command)
 
     def owner_lost(self, owner: OwnerSession, why: str) -> None:
@@ -514,9 +516,17 @@ def test_commands_reach_the_listener_and_refusals_come_back(served):
         conn.release()
         conn.detach()
         conn.stop()
+        conn.stop("timeout")
         assert next(conn.events()) == ErrorEvent("run run-1 is still running")
-        wait_until(lambda: len(server.listener.commands) == 3, what="three commands")
-    assert server.listener.commands == [("task", "release"), ("task", "detach"), ("task", "stop")]
+        wait_until(lambda: len(server.listener.commands) == 4, what="four commands")
+    assert server.listener.commands == [
+        ("task", "release"),
+        ("task", "detach"),
+        ("task", "stop"),
+        ("task", "stop"),
+    ]
+    # A stop says why ("timeout": its ranks are told so); the others carry no reason.
+    assert server.listener.whys == [None, None, None, "timeout"]
     wait_until(lambda: server.listener.lost, what="the loss")
     owner, why = server.listener.lost[0]
     assert owner.detached and why == "it closed the connection"
@@ -531,6 +541,32 @@ def test_a_malformed_command_gets_an_error_and_the_lifeline_stays(served):
         )
         conn.stop()
         wait_until(lambda: server.listener.commands, what="stop")
+
+
+@pytest.mark.parametrize(
+    "command, error",
+    [
+        (b'{"k": "stop", "why": ""}', "malformed 'stop': why must be a string of 1 to 200 characters"),
+        (b'{"k": "stop", "why": 5}', "malformed 'stop': why must be a string of 1 to 200 characters"),
+        (b'{"k": "stop", "why": "' + b"x" * 201 + b'"}', "malformed 'stop': why must be a string"),
+        (b'{"k": "detach", "why": "timeout"}', "malformed command: missing [], unexpected ['why']"),
+    ],
+)
+def test_a_stop_reason_that_is_not_one_is_refused_and_nothing_is_stopped(served, command, error):
+    server = served()
+    with connect(server) as conn:
+        conn._sock.sendall(command + b"\n")
+        event = next(conn.events())
+        assert isinstance(event, ErrorEvent) and event.message.startswith(error)
+    assert server.listener.commands == []
+
+
+def test_a_stop_reason_reaches_the_listener_without_control_characters(served):
+    server = served()
+    with connect(server) as conn:
+        conn._sock.sendall(b'{"k": "stop", "why": "time\\u001b[2Jout"}\n')
+        wait_until(lambda: server.listener.whys, what="the stop")
+    assert server.listener.whys == ["time\\x1b[2Jout"]
 
 
 def test_an_oversized_command_ends_the_lifeline(served):

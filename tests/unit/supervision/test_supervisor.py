@@ -83,7 +83,9 @@ class FakeRun:
 class Harness:
     """One in-process supervisor on 127.0.0.1, serving in a thread."""
 
-    def __init__(self, tmp_path: Path, *, durable: bool, reattach: float, output: bool = True) -> None:
+    def __init__(
+        self, tmp_path: Path, *, durable: bool, reattach: float, output: bool = True, grace: float = 0.0
+    ) -> None:
         self.staging = tmp_path / "torchdist-run"
         self.staging.mkdir()
         self.config = SupervisorConfig(
@@ -94,6 +96,7 @@ class Harness:
             checkpoint_dir=None,
             owner_secret=SECRET,
             output_file=self.staging / "output.pkl" if output else None,
+            stop_grace_period=grace,
         )
         self.run = FakeRun()
         self.supervisor = RunSupervisor(
@@ -374,7 +377,7 @@ def test_a_script_succeeds_without_output(harness):
 def test_a_plan_that_cannot_run_fails_the_run(tmp_path):
     staging = tmp_path / "torchdist-x"
     staging.mkdir()
-    config = SupervisorConfig(RUN, True, 30.0, "127.0.0.1", None, SECRET, None)
+    config = SupervisorConfig(RUN, True, 30.0, "127.0.0.1", None, SECRET, None, 0.0)
 
     def broken() -> FakeRun:
         raise ValueError("plan.json must hold exactly [...]")
@@ -404,6 +407,7 @@ GOOD = {
     "checkpoint_dir": None,
     "owner_secret_hex": SECRET.hex(),
     "output_file": "/tmp/x/output.pkl",
+    "stop_grace_period": 30.0,
 }
 
 
@@ -478,6 +482,42 @@ def test_a_run_being_torn_down_is_waited_for_and_a_live_one_is_not(tmp_path):
     stuck.release()
 
 
+def test_a_run_in_its_grace_period_is_waited_for_until_it_said_it_would_be_gone(tmp_path):
+    """A stopped run's ranks get ``stop_grace_period`` to checkpoint: its lock says until when, and
+    the next run waits that long (beyond ``ending_wait``), telling whoever started it once."""
+    checkpoints = tmp_path / "ckpt"
+    old = RunLock.acquire(str(checkpoints))
+    until = time.time() + 1.5
+    old.mark_ending(until)
+    assert (checkpoints / LOCK_FILE).read_text() == f"{os.getpid()} ending {until:.0f}\n"
+    threading.Timer(1.0, old.release).start()
+    heard: list[float] = []
+    started = time.monotonic()
+    new = RunLock.acquire(str(checkpoints), ending_wait=0.2, on_wait=heard.append)
+    assert 0.9 < time.monotonic() - started < 5.0  # past ending_wait: the holder said 1.5 s
+    assert heard == [float(f"{until:.0f}")]
+    new.release()
+
+    gone_by_now = RunLock.acquire(str(checkpoints))
+    gone_by_now.mark_ending(time.time() - 1)  # said it would be gone, and is not: refused
+    with pytest.raises(RunLocked, match="still ending"):
+        RunLock.acquire(str(checkpoints), ending_wait=30.0)
+    gone_by_now.release()
+
+
+def test_the_task_waits_for_a_supervisor_that_waits_for_an_earlier_runs_stop(tmp_path):
+    from airflow_provider_torchdist.supervision.config import LOCK_WAIT_FILE
+    from airflow_provider_torchdist.supervision.task_side import START_TIMEOUT_S, _lock_wait_deadline
+
+    assert _lock_wait_deadline(tmp_path) == 0.0  # no such wait
+    (tmp_path / LOCK_WAIT_FILE).write_text(json.dumps({"until": time.time() + 100}))
+    left = _lock_wait_deadline(tmp_path) - time.monotonic()
+    assert 99 + START_TIMEOUT_S < left < 101 + START_TIMEOUT_S
+    for bad in ('{"until": "soon"}', '{"until": NaN}', "[]", "{"):
+        (tmp_path / LOCK_WAIT_FILE).write_text(bad)
+        assert _lock_wait_deadline(tmp_path) == 0.0
+
+
 # -- the real process ------------------------------------------------------------------------------
 
 #: spark-submit that notes its PID beside the spec (the last argument) and trains "forever".
@@ -500,7 +540,9 @@ Outcome(ok=True).write(staging)
 """
 
 
-def stage_supervised_run(tmp_path: Path, name: str, fake: str, checkpoint_dir: Path | None) -> Path:
+def stage_supervised_run(
+    tmp_path: Path, name: str, fake: str, checkpoint_dir: Path | None, grace: float = 0.0
+) -> Path:
     """A staging directory as the hook leaves it for the supervisor: plan.json and supervisor.json."""
     bin_dir = tmp_path / f"bin-{name}"
     bin_dir.mkdir()
@@ -527,6 +569,7 @@ def stage_supervised_run(tmp_path: Path, name: str, fake: str, checkpoint_dir: P
         "run_id": name,
         "checkpoint_dir": None if checkpoint_dir is None else str(checkpoint_dir),
         "output_file": str(staging / "output.pkl"),
+        "stop_grace_period": grace,
     }
     for file, text in ((PLAN_FILE, plan.to_json()), (SUPERVISOR_FILE, json.dumps(config))):
         fd = os.open(staging / file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -600,6 +643,133 @@ def test_the_detached_supervisor_runs_spark_submit_and_stop_ends_all_of_it(tmp_p
             process.kill()
             process.wait()
         shutil.rmtree(staging, ignore_errors=True)
+
+
+#: spark-submit that plays a driver whose ranks honour a stop request: it waits for
+#: ``stop-request.json`` (what the run channel polls for), "checkpoints" and ends; IGNORING never ends.
+STOPPABLE_SPARK_SUBMIT = f"""#!{sys.executable}
+import json, os, sys, time
+from pathlib import Path
+staging = Path(sys.argv[-1]).parent
+(staging / "fake.pid").write_text(str(os.getpid()))
+# As a driver does once its run channel listens (no one answers there: the log is not followed).
+(staging / "channel.json").write_text('{{"host": "127.0.0.1", "port": 9}}')
+while not (staging / "stop-request.json").exists():
+    time.sleep(0.05)
+request = json.loads((staging / "stop-request.json").read_text())
+time.sleep(0.5)  # the checkpoint
+(staging.parent / "checkpointed.json").write_text(json.dumps(request))
+"""
+IGNORING_SPARK_SUBMIT = STOPPABLE_SPARK_SUBMIT.replace("time.sleep(0.5)", "time.sleep(300)")
+#: A driver whose ranks all answered that they do not watch for stops: it says so, and trains on.
+DECLINING_SPARK_SUBMIT = STOPPABLE_SPARK_SUBMIT.replace(
+    "time.sleep(0.5)", '(staging / "stop-declined").write_text("2"); time.sleep(300)'
+)
+
+
+@pytest.mark.parametrize("honoured", [True, False], ids=["ranks-checkpoint", "ranks-ignore-it"])
+def test_a_stop_gives_the_run_its_grace_period_and_the_owner_sees_how_it_went(tmp_path, honoured):
+    """A stop with ``stop_grace_period=4``: the request reaches the run (its staging directory) with
+    the owner's reason; a run that ends by itself is not killed, one that does not is killed when
+    the grace period runs out; the next run of the task waits for the lock until then."""
+    checkpoints = tmp_path / "checkpoints"
+    fake = STOPPABLE_SPARK_SUBMIT if honoured else IGNORING_SPARK_SUBMIT
+    staging = stage_supervised_run(tmp_path, "graceful", fake, checkpoints, grace=4.0)
+    process, _ = start_supervisor(staging)
+    try:
+        address = address_of(staging, process)
+        wait_until(lambda: (staging / "fake.pid").exists(), 30, "spark-submit to start")
+        fake_pid = int((staging / "fake.pid").read_text())
+        with OwnerConnection(address["host"], address["port"], "graceful", SECRET) as owner:
+            owner.stop("timeout")
+            stopped = time.monotonic()
+            events = list(owner.events())
+            took = time.monotonic() - stopped
+        lines = [e.text for e in events if isinstance(e, LineEvent)]
+        done = events[-1].status
+        assert "[torchdist] stop requested (timeout): ranks have 4 s to checkpoint" in lines
+        if honoured:
+            assert json.loads((tmp_path / "checkpointed.json").read_text()) == {
+                "reason": "timeout",
+                "grace": 4.0,
+            }
+            assert any(line.startswith("[torchdist] the run ended ") for line in lines), lines
+            assert done.error.startswith("stopped by its owner (timeout); the ranks ended ")
+            assert took < 4.0  # not held to the grace period
+        else:
+            assert "[torchdist] the ranks did not end within the 4 s grace period: the run is killed" in lines
+            assert done.error == (
+                "stopped by its owner (timeout); the ranks had 4 s to checkpoint and were killed when it ran out"
+            )
+            assert 3.9 < took < 15
+        assert process.wait(30) == 0
+        assert not is_alive(fake_pid)
+        assert not staging.exists()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_run_whose_ranks_do_not_watch_for_stops_is_not_held_to_the_grace_period(tmp_path):
+    staging = stage_supervised_run(tmp_path, "declined", DECLINING_SPARK_SUBMIT, None, grace=60.0)
+    process, _ = start_supervisor(staging)
+    try:
+        address = address_of(staging, process)
+        wait_until(lambda: (staging / "fake.pid").exists(), 30, "spark-submit to start")
+        with OwnerConnection(address["host"], address["port"], "declined", SECRET) as owner:
+            owner.stop("timeout")
+            started = time.monotonic()
+            done = list(owner.events())[-1].status
+            took = time.monotonic() - started
+        assert took < 15  # not the 60 s grace period
+        assert done.error == (
+            "stopped by its owner (timeout); no rank's code watches for stops, so it was ended without a "
+            "grace period"
+        )
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_run_stopped_before_its_driver_started_any_rank_is_not_held_to_the_grace_period(tmp_path):
+    staging = stage_supervised_run(tmp_path, "early", HANGING_SPARK_SUBMIT, None, grace=60.0)
+    process, _ = start_supervisor(staging)
+    try:
+        address = address_of(staging, process)
+        wait_until(lambda: (staging / "fake.pid").exists(), 30, "spark-submit to start")
+        with OwnerConnection(address["host"], address["port"], "early", SECRET) as owner:
+            owner.stop("killed")
+            started = time.monotonic()
+            done = list(owner.events())[-1].status
+        assert time.monotonic() - started < 15
+        assert done.error.endswith("; it had not started training, so it was ended without a grace period")
+        assert not (staging / "stop-request.json").exists()
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_run_without_a_grace_period_is_killed_at_once(tmp_path):
+    staging = stage_supervised_run(tmp_path, "nograce", IGNORING_SPARK_SUBMIT, None, grace=0.0)
+    process, _ = start_supervisor(staging)
+    try:
+        address = address_of(staging, process)
+        wait_until(lambda: (staging / "fake.pid").exists(), 30, "spark-submit to start")
+        with OwnerConnection(address["host"], address["port"], "nograce", SECRET) as owner:
+            owner.stop("killed")
+            lines = [e.text for e in owner.events() if isinstance(e, LineEvent)]
+        assert not any("stop requested" in line for line in lines)
+        assert process.wait(30) == 0
+        assert not (tmp_path / "checkpointed.json").exists()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def test_the_detached_supervisor_hands_over_the_output_then_goes(tmp_path):

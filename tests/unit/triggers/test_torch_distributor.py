@@ -73,6 +73,7 @@ class FakeConnection:
         self.status = at_connect
         self._events = events
         self.calls: list[str] = []
+        self.whys: list[str | None] = []
         self.iterating = asyncio.Event()
 
     async def events(self) -> AsyncIterator[Any]:
@@ -84,8 +85,9 @@ class FakeConnection:
                 await asyncio.Event().wait()
             yield item
 
-    async def stop(self) -> None:
+    async def stop(self, why: str | None = None) -> None:
         self.calls.append("stop")
+        self.whys.append(why)
 
     async def detach(self) -> None:
         self.calls.append("detach")
@@ -403,6 +405,7 @@ def test_on_kill_stops_the_run_on_the_open_lifeline(lifeline: type[FakeLifeline]
     asyncio.run(scenario())
 
     assert connection.calls == ["stop", "close"]
+    assert connection.whys == ["killed"]
     assert len(lifeline.connects) == 1
 
 
@@ -420,7 +423,7 @@ def test_on_kill_retries_stop_on_a_new_lifeline_when_the_open_one_dropped(
     lifeline: type[FakeLifeline],
 ) -> None:
     class Dropped(FakeConnection):
-        async def stop(self) -> None:
+        async def stop(self, why: str | None = None) -> None:
             self.calls.append("stop")
             raise LifelineError("connection reset")
 
@@ -477,8 +480,8 @@ class RecordingOwners:
         self.seen.append(f"attached {owner.kind}")
         self.attached.set()
 
-    def owner_command(self, owner: OwnerSession, command: str) -> str | None:
-        self.seen.append(command)
+    def owner_command(self, owner: OwnerSession, command: str, why: str | None = None) -> str | None:
+        self.seen.append(command if why is None else f"{command} ({why})")
         return None
 
     def owner_lost(self, owner: OwnerSession, why: str) -> None:
@@ -561,12 +564,14 @@ def test_real_lifeline_on_kill_stops(server: tuple[LifelineServer, RecordingOwne
 
     asyncio.run(scenario())
 
-    wait_until(lambda: owners.seen[-2:] == ["stop", "lost"], what="the stop, then the owner to leave")
+    wait_until(
+        lambda: owners.seen[-2:] == ["stop (killed)", "lost"], what="the stop, then the owner to leave"
+    )
     # The cancelled wait may close its connection before on_kill speaks: on_kill then stops the run
-    # over a new one (both orders are races the trigger must win).
+    # over a new one (both orders are races the trigger must win). The ranks are told "killed".
     assert owners.seen in (
-        ["attached trigger", "stop", "lost"],
-        ["attached trigger", "lost", "attached trigger", "stop", "lost"],
+        ["attached trigger", "stop (killed)", "lost"],
+        ["attached trigger", "lost", "attached trigger", "stop (killed)", "lost"],
     )
 
 
@@ -635,6 +640,7 @@ def test_at_the_records_deadline_the_run_is_stopped_and_the_event_is_timeout(
     assert "run-1 passed the task's execution_timeout while the task was deferred" in events[0]["message"]
     assert events[0]["record"]["deadline"] == trigger.record["deadline"]
     assert connection.calls[0] == "stop"  # the run is stopped, not left to wait for an owner
+    assert connection.whys == ["timeout"]  # its ranks are told why
 
 
 def test_a_run_that_ends_before_its_deadline_is_not_stopped(lifeline: type[FakeLifeline]) -> None:
@@ -669,7 +675,7 @@ def test_real_lifeline_deadline_stops_the_run(server: tuple[LifelineServer, Reco
     events = events_of(trigger)
 
     assert [e["state"] for e in events] == ["timeout"]
-    wait_until(lambda: "stop" in owners.seen, what="the supervisor to be told to stop")
+    wait_until(lambda: "stop (timeout)" in owners.seen, what="the supervisor to be told to stop")
 
 
 def test_cancelling_a_trigger_with_a_deadline_cancels_its_wait(lifeline: type[FakeLifeline]) -> None:

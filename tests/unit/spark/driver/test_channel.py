@@ -367,3 +367,114 @@ def test_client_to_a_closed_channel_goes_broken_instead_of_raising(tmp_path):
     assert client.broken
     assert client.output(b"data") is False
     client.close()  # must not raise
+
+
+# -- stop requests ------------------------------------------------------------------------------
+
+
+def test_a_stop_request_in_the_staging_directory_reaches_every_rank_connected_now_or_later(ch, tmp_path):
+    """The stopper writes ``stop-request.json``; the channel sends each rank a StopRequest over its own
+    connection, a rank that connects afterwards (a restarted worker group) included; agents get none."""
+    from airflow_provider_torchdist.spark.wire.protocol import StopRequest
+    from airflow_provider_torchdist.spark.wire.stop_request import write_stop_request
+
+    heard: dict[str, list[object]] = {"rank 0": [], "rank 1": [], "rank 2": []}
+    early = [ch.client(0), ch.client(1)]
+    for name, client in zip(("rank 0", "rank 1"), early, strict=True):
+        client.listen(heard[name].append)
+    agent = ch.client(None)
+    agent_heard: list[object] = []
+    agent.listen(agent_heard.append)
+
+    write_stop_request(tmp_path, "timeout", 30.0)
+    wait_until(lambda: heard["rank 0"] and heard["rank 1"], what="both ranks to hear the stop")
+    late = ch.client(2)
+    late.listen(heard["rank 2"].append)
+    wait_until(lambda: heard["rank 2"], what="the late rank to hear it")
+
+    assert all(got == [StopRequest("timeout", 30.0)] for got in heard.values()), heard
+    assert ch.channel.stops.request == StopRequest("timeout", 30.0)
+    assert "[torchdist] the stop request (timeout) goes to 2 rank(s)" in ch.lines
+    assert ch.channel.stops.stop("again", 1.0) is False  # asked once; the first request stands
+    time.sleep(0.2)
+    assert agent_heard == [] and all(len(got) == 1 for got in heard.values())
+    for client in (*early, late, agent):
+        client.close()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"reason": "timeout"}',
+        '{"reason": 5, "grace": 1}',
+        '{"reason": "x", "grace": -1}',
+        '{"reason": "x", "grace": NaN}',
+        '{"reason": "x", "grace": true}',
+        "[]",
+        "{",
+    ],
+)
+def test_a_stop_request_file_that_is_not_one_is_ignored(tmp_path, text):
+    """Whatever the file holds, a malformed request stops nothing here (the hard stop still comes)."""
+    from airflow_provider_torchdist.spark.wire.stop_request import STOP_REQUEST_FILE, read_stop_request
+
+    (tmp_path / STOP_REQUEST_FILE).write_text(text)
+    assert read_stop_request(tmp_path) is None
+
+
+def test_a_stop_request_is_written_privately_and_its_reason_cut_to_size(tmp_path):
+    from airflow_provider_torchdist.spark.wire.protocol import STOP_REASON_CHARS, StopRequest
+    from airflow_provider_torchdist.spark.wire.stop_request import read_stop_request, write_stop_request
+
+    path = write_stop_request(tmp_path, "x" * 1000, 12)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert read_stop_request(tmp_path) == StopRequest("x" * STOP_REASON_CHARS, 12.0)
+
+
+def test_when_no_rank_watches_for_stops_the_stopper_is_told_not_to_wait(ch, tmp_path):
+    """Every connected rank answered that its code never asked stop_requested(): ``stop-declined``
+    tells the supervisor to end the run now. One watching rank keeps the grace period."""
+    from airflow_provider_torchdist.spark.wire.protocol import StopAnswer
+    from airflow_provider_torchdist.spark.wire.stop_request import stop_declined
+
+    ranks = [ch.client(0), ch.client(1)]
+    wait_until(lambda: len(ch.channel.stops._ranks) == 2, what="both ranks")
+    ch.channel.stops.stop("timeout", 30.0)
+    ranks[0].send(StopAnswer(False))
+    wait_until(lambda: 0 in ch.channel.stops.answers, what="rank 0's answer")
+    assert not stop_declined(tmp_path)  # rank 1 has not answered
+    ranks[1].send(StopAnswer(False))
+    wait_until(lambda: stop_declined(tmp_path), what="the run to be declared unwatched")
+    assert any("no rank's code watches for stops" in line for line in ch.lines)
+    for client in ranks:
+        client.close()
+
+
+def test_one_watching_rank_keeps_the_grace_period(ch, tmp_path):
+    from airflow_provider_torchdist.spark.wire.protocol import StopAnswer
+    from airflow_provider_torchdist.spark.wire.stop_request import stop_declined
+
+    ranks = [ch.client(0), ch.client(1)]
+    wait_until(lambda: len(ch.channel.stops._ranks) == 2, what="both ranks")
+    ch.channel.stops.stop("timeout", 30.0)
+    ranks[0].send(StopAnswer(True))
+    ranks[1].send(StopAnswer(False))
+    wait_until(lambda: len(ch.channel.stops.answers) == 2, what="both answers")
+    assert ch.channel.stops.answers == {0: True, 1: False}
+    assert not stop_declined(tmp_path)
+    for client in ranks:
+        client.close()
+
+
+def test_an_agent_may_not_answer_a_stop(ch):
+    from airflow_provider_torchdist.spark.wire.protocol import StopAnswer
+
+    agent = ch.client(None)
+    agent.send(NodeStarted())
+    ch.channel.stops.stop("timeout", 30.0)
+    agent.send(StopAnswer(False))
+    wait_until(
+        lambda: any("is not allowed on this connection" in line for line in ch.lines), what="the refusal"
+    )
+    assert ch.channel.stops.answers == {}
+    agent.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import pytest
 
@@ -152,3 +153,17 @@ def test_rank_prefix():
     assert rank_prefix(1, "hostX") == "[rank 1 @ hostX]"
     assert rank_prefix(None, "hostX") == "[agent @ hostX]"
     assert rank_prefix(0, None) == "[rank 0]"
+
+
+@pytest.mark.parametrize(
+    "raw, error",
+    [
+        (b'{"k": "stop", "reason": "timeout", "grace": -1}', "'stop' message: bad grace period -1"),
+        (b'{"k": "stop", "reason": "timeout", "grace": NaN}', "'stop' message: bad grace period nan"),
+        (b'{"k": "stop", "reason": "timeout"}', "field 'grace'"),
+        (b'{"k": "stop", "reason": "' + b"x" * 201 + b'", "grace": 1}', "'stop' message: a reason of 201"),
+    ],
+)
+def test_a_stop_request_that_is_not_one_is_refused(raw, error):
+    with pytest.raises(ProtocolError, match=re.escape(error)):
+        decode(raw)
