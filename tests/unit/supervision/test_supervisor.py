@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -529,6 +530,7 @@ HANGING_SPARK_SUBMIT = (
 #: spark-submit that plays a succeeding driver: rank 0's value 42 and an ok outcome.
 SUCCEEDING_SPARK_SUBMIT = f"""#!{sys.executable}
 import os, sys
+from dataclasses import dataclass
 from pathlib import Path
 sys.path.insert(0, {str(Path(__file__).parents[3])!r})
 from tests.unit.conftest import publish_value
@@ -649,6 +651,7 @@ def test_the_detached_supervisor_runs_spark_submit_and_stop_ends_all_of_it(tmp_p
 #: ``stop-request.json`` (what the run channel polls for), "checkpoints" and ends; IGNORING never ends.
 STOPPABLE_SPARK_SUBMIT = f"""#!{sys.executable}
 import json, os, sys, time
+from dataclasses import dataclass
 from pathlib import Path
 staging = Path(sys.argv[-1]).parent
 (staging / "fake.pid").write_text(str(os.getpid()))
@@ -667,109 +670,92 @@ DECLINING_SPARK_SUBMIT = STOPPABLE_SPARK_SUBMIT.replace(
 )
 
 
-@pytest.mark.parametrize("honoured", [True, False], ids=["ranks-checkpoint", "ranks-ignore-it"])
-def test_a_stop_gives_the_run_its_grace_period_and_the_owner_sees_how_it_went(tmp_path, honoured):
-    """A stop with ``stop_grace_period=4``: the request reaches the run (its staging directory) with
-    the owner's reason; a run that ends by itself is not killed, one that does not is killed when
-    the grace period runs out; the next run of the task waits for the lock until then."""
-    checkpoints = tmp_path / "checkpoints"
-    fake = STOPPABLE_SPARK_SUBMIT if honoured else IGNORING_SPARK_SUBMIT
-    staging = stage_supervised_run(tmp_path, "graceful", fake, checkpoints, grace=4.0)
+@dataclass
+class Stopped:
+    """How a stop of a detached supervisor's run went, as its owner saw it."""
+
+    lines: list[str]
+    status: Any
+    seconds: float  # from the stop to the run's final status
+    fake_pid: int
+    exit_code: int
+
+
+def stop_a_supervised_run(tmp_path: Path, fake: str, grace: float, why: str) -> Stopped:
+    """Start a detached supervisor on ``fake`` spark-submit, stop the run once it runs (``why``),
+    follow it to its end; the supervisor must exit cleanly and leave no staging directory."""
+    staging = stage_supervised_run(tmp_path, "stopped", fake, None, grace=grace)
     process, _ = start_supervisor(staging)
     try:
         address = address_of(staging, process)
         wait_until(lambda: (staging / "fake.pid").exists(), 30, "spark-submit to start")
         fake_pid = int((staging / "fake.pid").read_text())
-        with OwnerConnection(address["host"], address["port"], "graceful", SECRET) as owner:
-            owner.stop("timeout")
-            stopped = time.monotonic()
+        with OwnerConnection(address["host"], address["port"], "stopped", SECRET) as owner:
+            owner.stop(why)
+            started = time.monotonic()
             events = list(owner.events())
-            took = time.monotonic() - stopped
-        lines = [e.text for e in events if isinstance(e, LineEvent)]
-        done = events[-1].status
-        assert "[torchdist] stop requested (timeout): ranks have 4 s to checkpoint" in lines
-        if honoured:
-            assert json.loads((tmp_path / "checkpointed.json").read_text()) == {
-                "reason": "timeout",
-                "grace": 4.0,
-            }
-            assert any(line.startswith("[torchdist] the run ended ") for line in lines), lines
-            assert done.error.startswith("stopped by its owner (timeout); the ranks ended ")
-            assert took < 4.0  # not held to the grace period
-        else:
-            assert "[torchdist] the ranks did not end within the 4 s grace period: the run is killed" in lines
-            assert done.error == (
-                "stopped by its owner (timeout); the ranks had 4 s to checkpoint and were killed when it ran out"
-            )
-            assert 3.9 < took < 15
-        assert process.wait(30) == 0
-        assert not is_alive(fake_pid)
+            seconds = time.monotonic() - started
+        code = process.wait(30)
         assert not staging.exists()
+        lines = [e.text for e in events if isinstance(e, LineEvent)]
+        return Stopped(lines, events[-1].status, seconds, fake_pid, code)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.parametrize("honoured", [True, False], ids=["ranks-checkpoint", "ranks-ignore-it"])
+def test_a_stop_gives_the_run_its_grace_period_and_the_owner_sees_how_it_went(tmp_path, honoured):
+    """A stop with ``stop_grace_period=4``: the request reaches the run (its staging directory) with
+    the owner's reason; a run that ends by itself is not killed, one that does not is killed when
+    the grace period runs out."""
+    fake = STOPPABLE_SPARK_SUBMIT if honoured else IGNORING_SPARK_SUBMIT
+    stopped = stop_a_supervised_run(tmp_path, fake, 4.0, "timeout")
+    assert "[torchdist] stop requested (timeout): ranks have 4 s to checkpoint" in stopped.lines
+    if honoured:
+        assert json.loads((tmp_path / "checkpointed.json").read_text()) == {"reason": "timeout", "grace": 4.0}
+        assert any(line.startswith("[torchdist] the run ended ") for line in stopped.lines), stopped.lines
+        assert stopped.status.error.startswith("stopped by its owner (timeout); the ranks ended ")
+        assert stopped.seconds < 4.0  # not held to the grace period
+    else:
+        assert (
+            "[torchdist] the ranks did not end within the 4 s grace period: the run is killed"
+            in stopped.lines
+        )
+        assert stopped.status.error == (
+            "stopped by its owner (timeout); the ranks had 4 s to checkpoint and were killed when it ran out"
+        )
+        assert 3.9 < stopped.seconds < 15
+    assert stopped.exit_code == 0 and not is_alive(stopped.fake_pid)
 
 
 def test_a_run_whose_ranks_do_not_watch_for_stops_is_not_held_to_the_grace_period(tmp_path):
-    staging = stage_supervised_run(tmp_path, "declined", DECLINING_SPARK_SUBMIT, None, grace=60.0)
-    process, _ = start_supervisor(staging)
-    try:
-        address = address_of(staging, process)
-        wait_until(lambda: (staging / "fake.pid").exists(), 30, "spark-submit to start")
-        with OwnerConnection(address["host"], address["port"], "declined", SECRET) as owner:
-            owner.stop("timeout")
-            started = time.monotonic()
-            done = list(owner.events())[-1].status
-            took = time.monotonic() - started
-        assert took < 15  # not the 60 s grace period
-        assert done.error == (
-            "stopped by its owner (timeout); no rank's code watches for stops, so it was ended without a "
-            "grace period"
-        )
-        assert process.wait(30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    stopped = stop_a_supervised_run(tmp_path, DECLINING_SPARK_SUBMIT, 60.0, "timeout")
+    assert stopped.seconds < 15  # not the 60 s grace period
+    assert stopped.status.error == (
+        "stopped by its owner (timeout); no rank's code watches for stops, so it was ended without a "
+        "grace period"
+    )
+    assert stopped.exit_code == 0 and not is_alive(stopped.fake_pid)
 
 
 def test_a_run_stopped_before_its_driver_started_any_rank_is_not_held_to_the_grace_period(tmp_path):
-    staging = stage_supervised_run(tmp_path, "early", HANGING_SPARK_SUBMIT, None, grace=60.0)
-    process, _ = start_supervisor(staging)
-    try:
-        address = address_of(staging, process)
-        wait_until(lambda: (staging / "fake.pid").exists(), 30, "spark-submit to start")
-        with OwnerConnection(address["host"], address["port"], "early", SECRET) as owner:
-            owner.stop("killed")
-            started = time.monotonic()
-            done = list(owner.events())[-1].status
-        assert time.monotonic() - started < 15
-        assert done.error.endswith("; it had not started training, so it was ended without a grace period")
-        assert not (staging / "stop-request.json").exists()
-        assert process.wait(30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    stopped = stop_a_supervised_run(tmp_path, HANGING_SPARK_SUBMIT, 60.0, "killed")
+    assert stopped.seconds < 15
+    assert stopped.status.error.endswith(
+        "; it had not started training, so it was ended without a grace period"
+    )
+    assert not any("stop requested" in line for line in stopped.lines)
+    assert stopped.exit_code == 0 and not is_alive(stopped.fake_pid)
 
 
 def test_a_run_without_a_grace_period_is_killed_at_once(tmp_path):
-    staging = stage_supervised_run(tmp_path, "nograce", IGNORING_SPARK_SUBMIT, None, grace=0.0)
-    process, _ = start_supervisor(staging)
-    try:
-        address = address_of(staging, process)
-        wait_until(lambda: (staging / "fake.pid").exists(), 30, "spark-submit to start")
-        with OwnerConnection(address["host"], address["port"], "nograce", SECRET) as owner:
-            owner.stop("killed")
-            lines = [e.text for e in owner.events() if isinstance(e, LineEvent)]
-        assert not any("stop requested" in line for line in lines)
-        assert process.wait(30) == 0
-        assert not (tmp_path / "checkpointed.json").exists()
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    stopped = stop_a_supervised_run(tmp_path, IGNORING_SPARK_SUBMIT, 0.0, "killed")
+    assert not any("stop requested" in line for line in stopped.lines)
+    assert stopped.status.error == "stopped by its owner (killed)"
+    assert not (tmp_path / "checkpointed.json").exists()
+    assert stopped.exit_code == 0 and not is_alive(stopped.fake_pid)
 
 
 def test_the_detached_supervisor_hands_over_the_output_then_goes(tmp_path):
