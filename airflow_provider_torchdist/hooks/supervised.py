@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from airflow.providers.common.compat.sdk import AirflowTaskTimeout
+
 from airflow_provider_torchdist.errors import SparkSubmitFailed
 from airflow_provider_torchdist.spark.connect.sessions import planned_session_id
 from airflow_provider_torchdist.spec import DEFAULT_REATTACH_TIMEOUT
@@ -134,13 +136,7 @@ class SupervisedRunsMixin:
         if self.metrics and self.on_metrics and not owner.status.ended:
             self.on_metrics(self.metrics)  # a new owner of a run under way: the history so far at once
         try:
-            status = follow_to_end(
-                owner,
-                record.run_id,
-                on_line=lambda text: self.log.info("%s", text),
-                on_application=self._application_started,
-                on_metric=self._metric_reported,
-            )
+            status = self._follow_events(owner, record)
             self.metrics, self.run_status = list(status.metrics), status
             self.world_sizes = list(status.world_sizes)
             if self._fast is not None:
@@ -156,6 +152,32 @@ class SupervisedRunsMixin:
         finally:
             self._owner = None
             owner.close()
+
+    def _follow_events(self, owner: OwnerConnection, record: RunRecord) -> RunStatus:
+        """The run's events to this hook's log and callbacks, to its final status.
+
+        Airflow's own ``execution_timeout`` interrupts this at the moment the operator's deadline
+        stops the run: then the run is stopping and its ranks are checkpointing. It is told "stop"
+        (again, if the deadline got there first) and followed to its end, so that the task log says
+        how the stop went (the supervisor ends it within ``stop_grace_period``); then the timeout
+        stands."""
+
+        def follow() -> RunStatus:
+            return follow_to_end(
+                owner,
+                record.run_id,
+                on_line=lambda text: self.log.info("%s", text),
+                on_application=self._application_started,
+                on_metric=self._metric_reported,
+            )
+
+        try:
+            return follow()
+        except AirflowTaskTimeout:
+            with contextlib.suppress(LifelineError, OSError, SparkSubmitFailed):
+                owner.stop("timeout")
+                follow()
+            raise
 
     # -- stopping -----------------------------------------------------------------------------
 

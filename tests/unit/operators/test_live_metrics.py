@@ -252,3 +252,41 @@ def test_the_operator_pushes_the_first_report_at_once_and_the_whole_history_at_t
         (METRICS_XCOM_KEY, history),
         (WORLD_SIZES_XCOM_KEY, []),  # a succeeded run's, after its metrics
     ]
+
+
+def test_airflows_own_timeout_during_the_follow_stops_the_run_and_follows_the_stop_to_its_end(monkeypatch):
+    """Airflow's execution_timeout raises inside the follow at the moment the run's deadline stops it:
+    the hook tells the run "stop" and reads on until its final status, so that the task log says how
+    the stop went; then the timeout stands."""
+    from airflow.providers.common.compat.sdk import AirflowTaskTimeout
+
+    class TimedOutOwner(FakeOwner):
+        def __init__(self) -> None:
+            stopped = RunStatus(state="failed", error="stopped by its owner (timeout); the ranks ended ...")
+            super().__init__(
+                RunStatus(state="running"),
+                [LineEvent(5, "[torchdist] the run ended 1.2 s after the stop request"), DoneEvent(stopped)],
+            )
+            self.stops: list[str | None] = []
+            self.reads = 0
+
+        def events(self) -> Any:
+            self.reads += 1
+            if self.reads == 1:
+                raise AirflowTaskTimeout("Timeout, PID: 1")  # what Airflow's SIGALRM handler raises
+            yield from self._events
+
+        def stop(self, why: str | None = None) -> None:
+            self.stops.append(why)
+
+    owner = TimedOutOwner()
+    hook = TorchDistributorHook()
+    hook._owner, hook.record = owner, RECORD
+    lines: list[str] = []
+    log = SimpleNamespace(info=lambda fmt, text: lines.append(text))
+    monkeypatch.setattr(TorchDistributorHook, "log", property(lambda self: log))
+    with pytest.raises(AirflowTaskTimeout):
+        hook.follow(RECORD, lambda path: "value")
+    assert owner.stops == ["timeout"]
+    assert lines == ["[torchdist] the run ended 1.2 s after the stop request"]
+    assert owner.closed and not owner.released  # nothing taken from a stopped run
