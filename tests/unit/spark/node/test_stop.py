@@ -114,6 +114,9 @@ def test_a_handler_of_the_users_own_gets_the_stop_signal_they_chose():
 def test_a_sigint_that_is_not_a_stop_raises_keyboardinterrupt_as_before():
     done = run(
         """
+        # Python's own SIGINT handler, as in a foreground process (a process started in the
+        # background inherits SIGINT ignored, and then the stop's handler leaves it ignored).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         stop.install("SIGINT")
         try:
             os.kill(os.getpid(), signal.SIGINT)
@@ -123,6 +126,19 @@ def test_a_sigint_that_is_not_a_stop_raises_keyboardinterrupt_as_before():
         """
     )
     assert done.stdout.splitlines() == ["KeyboardInterrupt"], done.stderr
+
+
+def test_a_signal_the_rank_inherited_ignored_stays_ignored():
+    done = run(
+        """
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as nohup or a background job leaves it
+        stop.install("SIGINT")
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)
+        print("still here")
+        """
+    )
+    assert done.returncode == 0 and done.stdout.splitlines() == ["still here"], done.stderr
 
 
 def test_all_ranks_gives_every_rank_the_answer_of_any():
