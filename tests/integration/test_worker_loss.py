@@ -215,10 +215,18 @@ def _cluster_hook(
     cluster: ClusterInfo,
     monkeypatch: pytest.MonkeyPatch,
     extra_conf: dict[str, str] | None = None,
+    web_ui: bool = False,
     **settings: object,
 ) -> TorchDistributorHook:
-    """A hook on the netns cluster's master, its driver on the test host (``extra_conf`` on top)."""
-    conn = {"conn_type": "spark", "host": f"spark://{cluster.master_host}", "port": cluster.master_port}
+    """A hook on the netns cluster's master, its driver on the test host (``extra_conf`` on top);
+    ``web_ui``: the connection names the master's web UI, so the run knows the cluster's size."""
+    conn: dict[str, object] = {
+        "conn_type": "spark",
+        "host": f"spark://{cluster.master_host}",
+        "port": cluster.master_port,
+    }
+    if web_ui:
+        conn["extra"] = {"master-web-ui": cluster.master_ui_url}
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_WORKER_LOSS", json.dumps(conn))
     return TorchDistributorHook(
         conn_id="spark_worker_loss",
@@ -301,9 +309,19 @@ def test_elastic_range_starts_with_the_free_slots(
     cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_leftovers: None
 ) -> None:
     """ "2:4" on a cluster with 2 free slots: trains at world size 2; the 2 tasks that find no slot
-    until the run is over end cleanly."""
+    until the run is over end cleanly.
+
+    The connection names the master's web UI: the run then knows the cluster fits MIN and waits for
+    both executors. Without it, the driver guesses the cluster's size from the executors that
+    register, and under a CPU hog the second registered more than the settle period after the
+    first (hunt 10: SlotsUnavailable "needs 2 ... has 1"), which is that guess's documented limit."""
     hook = _cluster_hook(
-        cluster, monkeypatch, num_processes="2:4", join_window=2, checkpoint_dir=str(tmp_path / "ckpt")
+        cluster,
+        monkeypatch,
+        num_processes="2:4",
+        join_window=2,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        web_ui=True,
     )
     value = hook.run(train_elastic, str(tmp_path), 20)
     assert value == {"rank": 0, "world_size": 2, "resumed_from": 0}
