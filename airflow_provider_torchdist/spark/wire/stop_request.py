@@ -1,8 +1,8 @@
 """The stop request: how whoever stops a run asks its driver for a graceful stop.
 
-The stopper (the run's supervisor tearing it down, or the hook's ``on_kill`` on the unsupervised
-path) writes ``<staging>/stop-request.json`` = ``{"reason": "timeout", "grace": 30.0}`` (atomic,
-0600) with :func:`write_stop_request`; the driver's run channel polls for it
+The stopper (the run's supervisor tearing it down) writes ``<staging>/stop-request.json``, the
+:class:`~airflow_provider_torchdist.spark.wire.protocol.StopRequest` as the wire encodes it
+(``{"k": "stop", "reason": "timeout", "grace": 30.0}``, atomic, 0600), with :func:`write_stop_request`; the driver's run channel polls for it
 (:func:`read_stop_request`) and sends every rank a
 :class:`~airflow_provider_torchdist.spark.wire.protocol.StopRequest`. Each rank answers whether its code
 watches for stops; when none does, the driver writes ``stop-declined`` beside the request, and the
@@ -15,12 +15,10 @@ Standard library only: the driver imports it.
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
-from airflow_provider_torchdist.spark.wire.private_files import write_private_text
-from airflow_provider_torchdist.spark.wire.protocol import STOP_REASON_CHARS, StopRequest
+from airflow_provider_torchdist.spark.wire.private_files import write_private_bytes, write_private_text
+from airflow_provider_torchdist.spark.wire.protocol import STOP_REASON_CHARS, StopRequest, decode, encode
 
 STOP_REQUEST_FILE = "stop-request.json"
 #: Written by the driver when every rank answered that its code does not watch for stops: the
@@ -30,25 +28,18 @@ STOP_DECLINED_FILE = "stop-declined"
 
 def write_stop_request(staging_dir: str | Path, reason: str, grace: float) -> Path:
     """Ask the run's driver to stop its ranks, giving them ``grace`` seconds to checkpoint."""
-    request = {"reason": reason[:STOP_REASON_CHARS], "grace": float(grace)}
-    return write_private_text(Path(staging_dir) / STOP_REQUEST_FILE, json.dumps(request))
+    request = encode(StopRequest(reason[:STOP_REASON_CHARS], float(grace)))
+    return write_private_bytes(Path(staging_dir) / STOP_REQUEST_FILE, request)
 
 
 def read_stop_request(staging_dir: str | Path) -> StopRequest | None:
-    """The stop asked for, or None: none yet, or a file that is not one (it is then ignored, and
-    the hard stop that follows the grace period still comes)."""
+    """The stop asked for, or None: none yet, or a file that is not one (the wire's own checks; it
+    is then ignored, and the hard stop that follows the grace period still comes)."""
     try:
-        data = json.loads((Path(staging_dir) / STOP_REQUEST_FILE).read_text())
+        request = decode((Path(staging_dir) / STOP_REQUEST_FILE).read_bytes())
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict):
-        return None
-    reason, grace = data.get("reason"), data.get("grace")
-    if not isinstance(reason, str) or isinstance(grace, bool) or not isinstance(grace, (int, float)):
-        return None
-    if not math.isfinite(grace) or grace < 0:
-        return None
-    return StopRequest(reason[:STOP_REASON_CHARS], float(grace))
+    return request if isinstance(request, StopRequest) else None
 
 
 def write_stop_declined(staging_dir: str | Path, ranks: int) -> Path:

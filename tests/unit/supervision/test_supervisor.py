@@ -714,7 +714,11 @@ def test_a_stop_gives_the_run_its_grace_period_and_the_owner_sees_how_it_went(tm
     stopped = stop_a_supervised_run(tmp_path, fake, 4.0, "timeout")
     assert "[torchdist] stop requested (timeout): ranks have 4 s to checkpoint" in stopped.lines
     if honoured:
-        assert json.loads((tmp_path / "checkpointed.json").read_text()) == {"reason": "timeout", "grace": 4.0}
+        assert json.loads((tmp_path / "checkpointed.json").read_text()) == {
+            "k": "stop",
+            "reason": "timeout",
+            "grace": 4.0,
+        }
         assert any(line.startswith("[torchdist] the run ended ") for line in stopped.lines), stopped.lines
         assert stopped.status.error.startswith("stopped by its owner (timeout); the ranks ended ")
         assert stopped.seconds < 4.0  # not held to the grace period

@@ -405,11 +405,13 @@ def test_a_stop_request_in_the_staging_directory_reaches_every_rank_connected_no
 @pytest.mark.parametrize(
     "text",
     [
-        '{"reason": "timeout"}',
-        '{"reason": 5, "grace": 1}',
-        '{"reason": "x", "grace": -1}',
-        '{"reason": "x", "grace": NaN}',
-        '{"reason": "x", "grace": true}',
+        '{"k": "stop", "reason": "timeout"}',
+        '{"k": "stop", "reason": 5, "grace": 1}',
+        '{"k": "stop", "reason": "x", "grace": -1}',
+        '{"k": "stop", "reason": "x", "grace": NaN}',
+        '{"k": "stop", "reason": "x", "grace": true}',
+        '{"k": "bye"}',  # a message, but not a stop
+        '{"reason": "x", "grace": 1}',  # no kind
         "[]",
         "{",
     ],
