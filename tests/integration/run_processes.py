@@ -1,7 +1,7 @@
 """Finding a run's processes from a test: the run supervisors, a run's process tree, and waiting for
 it to be gone.
 
-The integration suite runs in two pytest-xdist workers (``scripts/test``), and another run of the
+The integration suite runs in three pytest-xdist workers (``scripts/test``), and another run of the
 suite may share the machine, so a machine-wide scan must keep to this worker's own processes. Each
 worker marks its environment with ``TORCHDIST_TEST_OWNER`` (this session's id and the worker's name,
 set by :func:`mark_this_worker` at start-up), and every process it starts inherits the mark, down to
