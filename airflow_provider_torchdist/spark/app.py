@@ -25,6 +25,7 @@ from airflow_provider_torchdist.spark.data.data_shards import (
     local_shards,
 )
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
+from airflow_provider_torchdist.spark.driver.decommission import Decommissions
 from airflow_provider_torchdist.spark.driver.executor_loss import (
     ExecutorWatch,
     lost_executor_message,
@@ -119,7 +120,7 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
                     channel.say(str(exc))
                     return Outcome(ok=False, error=str(exc))
             world_sizes = [started(spec.num_processes)]
-            results, error = barrier_stage(sc, spec, channel, staging, cancel, shards)
+            results, error = barrier_stage(sc, spec, channel, staging, (group, cancel), shards)
             emit("channel_close")
         emit("channel_closed")
         failures = channel.failures
@@ -138,20 +139,26 @@ def barrier_stage(
     spec: JobSpec,
     channel: RunChannel,
     staging: Path,
-    cancel: Callable[[], None],
+    job: tuple[str, Callable[[], None]],
     shards: tuple[Any, Any, tuple[int, ...]] | Path | None,
 ) -> tuple[list[str], str | None]:
-    """The barrier stage, one task per node (over its rows with ``shards``); returns each node's
-    result and the stage's error (None when it succeeded, or when a rank's report tells the story)."""
+    """The barrier stage, one task per node (over its rows with ``shards``), in ``job`` (its job
+    group and how to cancel it); returns each node's result and the stage's error (None when it
+    succeeded, or when a rank's report tells the story)."""
     from airflow_provider_torchdist.spark.node.barrier import barrier_task
 
+    group, cancel = job
     done = threading.Event()
     threading.Thread(target=_say_while_waiting, args=(channel, spec.num_nodes, done), daemon=True).start()
     # Cancels the stage the moment Spark loses an executor running a node: the ranks on the other
     # hosts may be blocked in a collective with the lost ones.
     watch = ExecutorWatch(sc, cancel)
+    # A decommissioned executor's node is going away: the ranks checkpoint, then the run fails.
+    leaving = Decommissions(
+        sc, group, channel.stops, channel.say, cancel, spec.stop_grace_period, spec.nproc_per_node
+    )
     try:
-        with watch:
+        with watch, leaving:
             emit("barrier_stage_submitted")
             if shards is None:
                 stage = sc.parallelize(range(spec.num_nodes), spec.num_nodes).barrier()
@@ -161,8 +168,13 @@ def barrier_stage(
             else:
                 results = data_stage(shards, spec, channel.address, str(staging))
             emit("barrier_stage_done")
-        return results, None
+        if leaving.error:
+            channel.say(leaving.error)
+        return results, leaving.error
     except Exception as exc:
+        if leaving.error:
+            channel.say(leaving.error)
+            return [], leaving.error
         error = _lost_executors(watch, channel, spec, exc)
         # When a rank reported, its failure is the story; Spark's is only the cancellation.
         if error is None and not channel.failures:

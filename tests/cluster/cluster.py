@@ -134,6 +134,7 @@ def start_cluster(
         python=python,
         timings=timings,
         owns_state_dir=owns_state_dir,
+        worker_conf=dict(worker_conf or {}),
     )
     for i in range(1, workers + 1):
         ns, host_veth, _ = worker_names(prefix, i)
@@ -205,7 +206,7 @@ def restart_lost_workers(info: ClusterInfo, timeout: float = 90.0, daemon_memory
             for pid in netns_pids(w.netns):
                 with contextlib.suppress(OSError):
                     os.kill(pid, 9)
-        start_worker(info, w, daemon_memory, None)
+        start_worker(info, w, daemon_memory, info.worker_conf)
         restarted.append(w.index)
     if restarted:
         write_state(info)

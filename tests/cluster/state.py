@@ -67,6 +67,9 @@ class ClusterInfo:
     startup_seconds: float = 0.0
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     owns_state_dir: bool = False  #: the state dir is a temp dir created by start_cluster
+    #: Spark properties of every Worker daemon (start_cluster's ``worker_conf``): a Worker started
+    #: again (``restart_lost_workers``) gets them too.
+    worker_conf: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def worker_hosts(self) -> list[str]:

@@ -1,8 +1,10 @@
 """Worker loss: a Spark Worker (its JVM and its executor's JVM) is SIGKILLed, or its host freezes, in
-the middle of training.
+the middle of training; or Spark decommissions it (SIGPWR, as a spot node's notice does).
 
 The run must end within a bounded time with an error that says a node was lost and where, and the
 surviving worker must be left with nothing of the run: no executor, Python worker, agent or rank.
+A decommissioned node's ranks checkpoint first: a fixed run then fails naming it and its retry
+resumes from that checkpoint; an elastic run goes on without it from that checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -48,12 +51,19 @@ HEARTBEAT_TIMEOUT_15S = {
 }
 
 
+#: Spark's graceful decommissioning, on the Workers (SIGPWR decommissions one instead of ending it)
+#: and in the application: the decommission tests below.
+DECOMMISSION = {"spark.decommission.enabled": "true"}
+
+
 @pytest.fixture(scope="module")
 def two_hosts() -> Iterator[ClusterInfo]:
     """Master + 2 one-core workers, each in its own network namespace (its own "host")."""
     if os.geteuid() != 0:
         pytest.fail("the worker-loss test needs root to create network namespaces (CI runs as root)")
-    info = start_cluster(workers=2, cores=1, memory="1g", netns=True, prefix=PREFIX, subnet=SUBNET)
+    info = start_cluster(
+        workers=2, cores=1, memory="1g", netns=True, prefix=PREFIX, subnet=SUBNET, worker_conf=DECOMMISSION
+    )
     try:
         yield info
     finally:
@@ -274,13 +284,15 @@ def train_elastic(marker_dir: str, steps: int) -> dict[str, int]:
 JOIN_BOTH_S = 8
 
 
-def _run_in_thread(hook: TorchDistributorHook, *args: object) -> tuple[threading.Thread, list, list]:
+def _run_in_thread(
+    hook: TorchDistributorHook, *args: object, train: Any = train_elastic
+) -> tuple[threading.Thread, list, list]:
     result: list[object] = []
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            result.append(hook.run(train_elastic, *args))
+            result.append(hook.run(train, *args))
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread
             errors.append(exc)
 
@@ -445,3 +457,145 @@ def test_elastic_run_grows_back_when_the_lost_host_returns(
         (1, f"lost the node on {lost.host}"),
         (2, "a node joined"),
     ], sizes
+
+
+# Spark's own decommission of one Worker (SIGPWR, with spark.decommission.enabled): the ranks get the
+# graceful stop first (stop_requested() turns True), so nothing since the last checkpoint is lost.
+
+
+def train_until_decommissioned(marker_dir: str, steps: int) -> dict[str, int]:
+    """``train_elastic`` that also stops when asked: every rank at the same step, rank 0 saving a
+    checkpoint there. Rank 0 logs each step it trains (``steps.log``: world size and step)."""
+    import torch
+    import torch.distributed as dist
+
+    from airflow_provider_torchdist import load_latest_checkpoint, save_checkpoint, stop_requested
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start, state = load_latest_checkpoint() or (0, None)
+    total = state["total"] if state else 0.0
+    Path(marker_dir, f"w{world}-rank{rank}.json").write_text(
+        json.dumps({"pid": os.getpid(), "start": start, "at": time.time()})
+    )
+    for step in range(start, steps):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        total += float(t.item())
+        if rank == 0:
+            with open(Path(marker_dir, "steps.log"), "a") as log:
+                log.write(f"{world} {step}\n")
+        if stop_requested(all_ranks=True):
+            save_checkpoint({"total": total}, step + 1)
+            if rank == 0:
+                Path(marker_dir, f"stopped-w{world}.json").write_text(json.dumps({"next": step + 1}))
+            return {"rank": rank, "world_size": world, "resumed_from": start, "stopped_at": step + 1}
+        if step % 5 == 4:
+            save_checkpoint({"total": total}, step + 1)
+        time.sleep(0.05)
+    dist.destroy_process_group()
+    return {"rank": rank, "world_size": world, "resumed_from": start}
+
+
+def _decommission_host_of(rank_pid: int, cluster: ClusterInfo) -> WorkerInfo:
+    """SIGPWR to the Worker above ``rank_pid``: Spark decommissions it and its executor."""
+    tree = _run_tree(rank_pid, {w.pid for w in cluster.workers})
+    worker = next(w for w in cluster.workers if w.pid == tree["worker"])
+    os.kill(worker.pid, signal.SIGPWR)
+    return worker
+
+
+def _steps_trained(marker_dir: Path) -> list[tuple[int, int]]:
+    """(world size, step) of every step rank 0 trained, in order."""
+    return [tuple(map(int, line.split())) for line in (marker_dir / "steps.log").read_text().splitlines()]
+
+
+def _retire(worker: WorkerInfo, marker_dir: Path) -> None:
+    """End the decommissioned Worker once its executor has gone, so that the next test starts it
+    again (``restart_lost_workers``); nothing of the run may be left in its namespace."""
+    assert worker.netns is not None
+    deadline = time.monotonic() + 30
+    while set(netns_pids(worker.netns)) - {worker.pid} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {pid: command_line(pid)[:120] for pid in set(netns_pids(worker.netns)) - {worker.pid}}
+    os.kill(worker.pid, signal.SIGKILL)
+    assert not left, f"left running on the decommissioned host: {left}"
+
+
+def test_a_decommissioned_workers_fixed_run_checkpoints_fails_naming_it_and_its_retry_resumes(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_leftovers: None
+) -> None:
+    settings = {"num_processes": 2, "checkpoint_dir": str(tmp_path / "ckpt"), "stop_grace_period": 20}
+    hook = _cluster_hook(cluster, monkeypatch, extra_conf=DECOMMISSION, **settings)
+    runner, result, errors = _run_in_thread(hook, str(tmp_path), 2000, train=train_until_decommissioned)
+    _wait_for_markers(tmp_path, ["w2-rank0.json", "w2-rank1.json"], runner, errors)
+    time.sleep(1.0)
+    rank1 = json.loads((tmp_path / "w2-rank1.json").read_text())
+    worker = _decommission_host_of(rank1["pid"], cluster)
+    signalled = time.monotonic()
+    runner.join(60)
+    took = time.monotonic() - signalled
+    if runner.is_alive():
+        hook.on_kill()
+        runner.join(30)
+        pytest.fail("the run was still going 60 s after its Worker was decommissioned")
+    _retire(worker, tmp_path)
+
+    assert not result and len(errors) == 1 and isinstance(errors[0], TrainingFailed), (result, errors)
+    message = str(errors[0])
+    print(f"failed {took:.1f} s after the decommission: {message}")
+    assert (
+        f"node decommissioned: Spark decommissioned the executor on {worker.host} that ran node(s) [1]"
+        in message
+    )
+    assert took < 20  # the ranks returned at their next step, well inside the grace period
+    stopped = json.loads((tmp_path / "stopped-w2.json").read_text())["next"]
+    assert stopped > 0
+
+    # The retry (on the Worker started again) resumes from that checkpoint: no step twice.
+    assert restart_lost_workers(cluster) == [worker.index]
+    value = _cluster_hook(cluster, monkeypatch, **settings).run(
+        train_until_decommissioned, str(tmp_path), stopped + 10
+    )
+    assert value == {"rank": 0, "world_size": 2, "resumed_from": stopped}
+    assert [step for _, step in _steps_trained(tmp_path)] == list(range(stopped + 10))
+
+
+def test_a_decommissioned_workers_elastic_run_shrinks_after_the_checkpoint(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_leftovers: None
+) -> None:
+    """ "1:2" with the host of rank 0 decommissioned: every rank checkpoints at the same step, that
+    node leaves, and the other goes on alone from that step (not from an older checkpoint)."""
+    hook = _cluster_hook(
+        cluster,
+        monkeypatch,
+        extra_conf=DECOMMISSION,
+        num_processes="1:2",
+        join_window=JOIN_BOTH_S,
+        max_restarts=2,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        stop_grace_period=8,
+    )
+    runner, result, errors = _run_in_thread(hook, str(tmp_path), 300, train=train_until_decommissioned)
+    _wait_for_markers(tmp_path, ["w2-rank0.json", "w2-rank1.json"], runner, errors)
+    time.sleep(1.0)
+    rank0 = json.loads((tmp_path / "w2-rank0.json").read_text())
+    worker = _decommission_host_of(rank0["pid"], cluster)
+    runner.join(180)
+    if runner.is_alive():
+        hook.on_kill()
+        runner.join(30)
+        pytest.fail("the elastic run did not finish within 180 s of the decommission")
+    _retire(worker, tmp_path)
+
+    assert not errors, errors
+    stopped = json.loads((tmp_path / "stopped-w2.json").read_text())["next"]
+    assert result[0] == {"rank": 0, "world_size": 1, "resumed_from": stopped}
+    sizes = hook.world_sizes
+    assert [(e["world_size"], e["reason"]) for e in sizes] == [
+        (2, "start"),
+        (1, f"the node on {worker.host} was decommissioned"),
+    ], sizes
+    # Every step once: world size 2 up to the stop, then world size 1 from there on.
+    trained = _steps_trained(tmp_path)
+    assert trained == [(2, s) for s in range(stopped)] + [(1, s) for s in range(stopped, 300)]

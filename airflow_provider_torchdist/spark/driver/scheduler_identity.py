@@ -14,6 +14,20 @@ from airflow_provider_torchdist.spark.driver.jvm_status import stage_tasks
 from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused, peer_matches
 
 
+def group_tasks(sc: Any, job_group: str) -> list[tuple[int, int, str, str, str]]:
+    """``(task attempt id, partition, host, status, executor id)`` of the tasks of the current
+    attempt of every stage of the job group's jobs."""
+    tracker = sc.statusTracker()
+    found = []
+    for job_id in tracker.getJobIdsForGroup(job_group):
+        job = tracker.getJobInfo(job_id)
+        for stage_id in list(job.stageIds) if job else []:
+            stage = tracker.getStageInfo(stage_id)
+            if stage is not None:
+                found += stage_tasks(sc, stage_id, stage.currentAttemptId)
+    return found
+
+
 class SchedulerVerifier:
     """A :data:`~airflow_provider_torchdist.spark.wire.channel_auth.NodeVerifier` backed by Spark's scheduler.
 
@@ -27,18 +41,9 @@ class SchedulerVerifier:
         self._timeout = timeout
 
     def host_of(self, node: int, task_attempt: int) -> str | None:
-        tracker = self._sc.statusTracker()
-        for job_id in tracker.getJobIdsForGroup(self._group):
-            job = tracker.getJobInfo(job_id)
-            for stage_id in list(job.stageIds) if job else []:
-                stage = tracker.getStageInfo(stage_id)
-                if stage is None:
-                    continue
-                for task_id, partition, host, status in stage_tasks(
-                    self._sc, stage_id, stage.currentAttemptId
-                ):
-                    if task_id == task_attempt and partition == node and status == "RUNNING":
-                        return host
+        for task_id, partition, host, status, _ in group_tasks(self._sc, self._group):
+            if task_id == task_attempt and partition == node and status == "RUNNING":
+                return host
         return None
 
     def __call__(self, node: int, task_attempt: int, peer_ip: str) -> str:

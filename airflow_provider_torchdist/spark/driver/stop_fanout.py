@@ -37,6 +37,11 @@ class StopFanout:
         #: The stop once asked for, and each rank's answer: whether its code watches for stops.
         self.request: wire.StopRequest | None = None
         self.answers: dict[int, bool] = {}
+        #: Set once every connected rank answered and none watches for stops.
+        self.declined = threading.Event()
+        #: Whether the request came from the stopper (who then waits on ``stop-declined``) or from
+        #: the driver itself (a decommissioned node: :mod:`.decommission`).
+        self._stopper_asked = False
         self._closed = threading.Event()
 
     def watch(self) -> None:
@@ -46,7 +51,7 @@ class StopFanout:
             while not self._closed.wait(STOP_POLL_S):
                 request = read_stop_request(self._dir)
                 if request is not None:
-                    self.stop(request.reason, request.grace)
+                    self.stop(request.reason, request.grace, from_stopper=True)
                     return
 
         threading.Thread(target=poll, name="torchdist-stop-watch", daemon=True).start()
@@ -54,19 +59,29 @@ class StopFanout:
     def close(self) -> None:
         self._closed.set()
 
-    def stop(self, reason: str, grace: float) -> bool:
+    def stop(self, reason: str, grace: float, from_stopper: bool = False) -> bool:
         """Ask every rank, connected now or later, to checkpoint and return within ``grace`` seconds;
-        False when already asked (the first request stands)."""
+        False when already asked (the first request stands). ``from_stopper``: the request came
+        from the stop-request file, and its stopper is told when no rank watches."""
         request = wire.StopRequest(reason, grace)
         with self._lock:
             if self.request is not None:
                 return False
             self.request = request
+            self._stopper_asked = from_stopper
             ranks = list(self._ranks)
         self._say(f"the stop request ({reason}) goes to {len(ranks)} rank(s)")
         for sock in ranks:
             _send(sock, request)
         return True
+
+    def withdraw(self) -> None:
+        """Forget the request and its answers: an elastic run's worker group that meets again after a
+        node left (:mod:`.decommission`) trains on. A later request is then sent as a first one."""
+        with self._lock:
+            self.request = None
+            self.answers = {}
+            self.declined.clear()
 
     def rank_connected(self, sock: socket.socket, rank: int) -> None:
         """A verified rank's connection: it gets the stop, now if one was asked for already."""
@@ -88,7 +103,10 @@ class StopFanout:
                 return
             self.answers[rank] = watching
             declined = not any(self.answers.values()) and set(self._ranks.values()) <= set(self.answers)
+            to_stopper = declined and self._stopper_asked
         if declined:
+            self.declined.set()
+        if to_stopper:
             write_stop_declined(self._dir, len(self.answers))
             self._say(
                 "no rank's code watches for stops (stop_requested() was never asked, no handler of its "

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
+from airflow_provider_torchdist.spark.driver.decommission import Decommissions
 from airflow_provider_torchdist.spark.driver.executor_loss import ExecutorWatch
 from airflow_provider_torchdist.spark.driver.spark_context import (
     cluster_channel,
@@ -71,7 +72,7 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
                 min_nodes=spec.min_nodes,
                 what="elastic training",
             )
-            results, error = elastic_stage(sc, spec, channel, store.address, monitor, staging)
+            results, error = elastic_stage((sc, group), spec, channel, store.address, monitor, staging)
             failures = channel.failures
             if monitor.gave_up:
                 error = _elastic_loss_error(spec, history, failures, nobody_left=True)
@@ -92,21 +93,34 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
 
 
 def elastic_stage(
-    sc: Any,
+    job: tuple[Any, str],
     spec: JobSpec,
     channel: RunChannel,
     store: tuple[str, int],
     monitor: ElasticMonitor,
     staging: Path,
 ) -> tuple[list[str], str | None]:
-    """The stage of elastic agents; Spark's executor losses go to ``monitor``. Returns each
-    node's result and the stage's error (None when it succeeded, or when a rank reported)."""
+    """The stage of elastic agents in ``job`` (the SparkContext and the run's job group); Spark's
+    executor losses and decommissions go to ``monitor``. Returns each node's result and the stage's
+    error (None when it succeeded, or when a rank reported)."""
     from airflow_provider_torchdist.spark.elastic.task import elastic_task
 
+    sc, group = job
     stage = sc.parallelize(range(spec.num_nodes), spec.num_nodes)
     watch = ExecutorWatch(sc, lambda: monitor.lost(watch.lost))
+    # A decommissioned node leaves after every rank's checkpoint, not after a crash.
+    leaving = Decommissions(
+        sc,
+        group,
+        channel.stops,
+        channel.say,
+        monitor.cancel,
+        spec.stop_grace_period,
+        spec.nproc_per_node,
+        leave=monitor.left,
+    )
     try:
-        with watch:
+        with watch, leaving:
             emit("elastic_stage_submitted")
             results = stage.mapPartitions(
                 functools.partial(elastic_task, spec, channel.address, store, str(staging))
@@ -152,16 +166,24 @@ class ElasticMonitor:
         self._regrouped.set()
         return self.history.generation(size)
 
-    def lost(self, executors: dict[str, str]) -> None:
+    def cancel(self) -> None:
+        self._cancel()
+
+    def left(self, executors: dict[str, str]) -> None:
+        """Decommissioned nodes left the run once its ranks checkpointed (:mod:`~airflow_provider_torchdist.spark.driver.decommission`):
+        every rank waits, so all restart now; the executors' later end is not a second loss."""
+        self.lost(executors, decommissioned=True)
+
+    def lost(self, executors: dict[str, str], decommissioned: bool = False) -> None:
         new = [(address, host) for address, host in list(executors.items()) if address not in self._noted]
         if not new:
             return
         for address, host in new:
             self._noted.add(address)
-            self.history.node_lost(host)
+            self.history.node_lost(host, decommissioned=decommissioned)
         # Survivors may block in a collective with the lost ranks: restart those that started
         # before the loss (Spark noticed it a moment after it happened).
-        self._store.restart_survivors(lost_at=time.time() - 1.0)
+        self._store.restart_survivors(lost_at=time.time() - (0.0 if decommissioned else 1.0))
         self._regrouped.clear()
         deadline = self._spec.rendezvous_timeout + self._spec.join_window + self.MARGIN_S
         threading.Thread(target=self._deadline, args=(deadline,), daemon=True).start()

@@ -31,6 +31,7 @@ from airflow_provider_torchdist.spark.wire.protocol import (
     WorldSize,
     rank_prefix,
 )
+from airflow_provider_torchdist.spark.wire.stop_request import DECOMMISSIONED
 
 _HERE = os.path.dirname(__file__)
 
@@ -183,6 +184,13 @@ def _on_driver_message(client: ChannelClient, message: Message, signame: str) ->
         client.send(StopAnswer(stop.request_stop(message.reason, message.grace, signame)))
 
 
+def _wait_if_regrouping(spec: JobSpec) -> None:
+    """An elastic run stopped for a decommissioned node goes on without it: this rank's return
+    (after its checkpoint) is not the run's end, so it waits for its group's restart."""
+    if spec.elastic and stop.stop_details()[0] == DECOMMISSIONED:
+        stop.wait_for_regroup()
+
+
 def run_rank(
     spec: JobSpec,
     entry_path: str,
@@ -218,6 +226,7 @@ def run_rank(
         emit("rank_start", rank=rank)
         value = call_entry(spec, entry_path)
         emit("rank_returned", rank=rank)
+        _wait_if_regrouping(spec)
         if rank == 0 and spec.kind == "callable":
             send_output(client, value, output_dir)
             emit("output_sent", rank=rank)
@@ -226,6 +235,7 @@ def run_rank(
             if client:
                 client.error(describe_exception(exc))
             raise
+        _wait_if_regrouping(spec)
     except BaseException as exc:
         sys.stderr.write(user_traceback(exc))
         if client:

@@ -88,6 +88,27 @@ def stop_details() -> tuple[str | None, float | None]:
         return _reason, left
 
 
+#: Seconds past its grace period that a rank of an elastic run waits for the driver to restart its
+#: worker group after a node was decommissioned (:func:`wait_for_regroup`).
+REGROUP_WAIT_S = 60.0
+
+
+def wait_for_regroup() -> None:
+    """An elastic run's rank whose code returned after a stop for a decommissioned node (its
+    checkpoint written): its worker group is about to be restarted without that node, so it must
+    not end as a finished run would (rank 0's value is not the run's result). It waits for the
+    driver to end it (:mod:`~airflow_provider_torchdist.spark.driver.decommission`); it never returns, and raises if the
+    driver has not ended it :data:`REGROUP_WAIT_S` past the grace period."""
+    with _lock:
+        deadline = _deadline
+    left = (0.0 if deadline is None else max(0.0, deadline - time.monotonic())) + REGROUP_WAIT_S
+    time.sleep(left)
+    raise RuntimeError(
+        f"this rank checkpointed for a decommissioned node and waited {left:.0f} s for its worker group "
+        "to be restarted without it, but the driver did not restart it"
+    )
+
+
 def install(signame: str) -> None:
     """In the rank's main thread, at its start: the handler that lets a stop's own signal pass.
 

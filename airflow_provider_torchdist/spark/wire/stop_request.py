@@ -21,6 +21,10 @@ from airflow_provider_torchdist.spark.wire.private_files import write_private_by
 from airflow_provider_torchdist.spark.wire.protocol import STOP_REASON_CHARS, StopRequest, decode, encode
 
 STOP_REQUEST_FILE = "stop-request.json"
+#: The reason of the driver's own stop when Spark decommissions an executor running a node
+#: (``spark.decommission.enabled``): in an elastic run the ranks then wait, after their
+#: checkpoint, for the group to meet again without that node (:mod:`~airflow_provider_torchdist.spark.node.rank`).
+DECOMMISSIONED = "node decommissioned"
 #: Written by the driver when every rank answered that its code does not watch for stops: the
 #: stopper need not wait out the grace period.
 STOP_DECLINED_FILE = "stop-declined"

@@ -441,7 +441,7 @@ def test_when_no_rank_watches_for_stops_the_stopper_is_told_not_to_wait(ch, tmp_
 
     ranks = [ch.client(0), ch.client(1)]
     wait_until(lambda: len(ch.channel.stops._ranks) == 2, what="both ranks")
-    ch.channel.stops.stop("timeout", 30.0)
+    ch.channel.stops.stop("timeout", 30.0, from_stopper=True)
     ranks[0].send(StopAnswer(False))
     wait_until(lambda: 0 in ch.channel.stops.answers, what="rank 0's answer")
     assert not stop_declined(tmp_path)  # rank 1 has not answered
@@ -458,13 +458,42 @@ def test_one_watching_rank_keeps_the_grace_period(ch, tmp_path):
 
     ranks = [ch.client(0), ch.client(1)]
     wait_until(lambda: len(ch.channel.stops._ranks) == 2, what="both ranks")
-    ch.channel.stops.stop("timeout", 30.0)
+    ch.channel.stops.stop("timeout", 30.0, from_stopper=True)
     ranks[0].send(StopAnswer(True))
     ranks[1].send(StopAnswer(False))
     wait_until(lambda: len(ch.channel.stops.answers) == 2, what="both answers")
     assert ch.channel.stops.answers == {0: True, 1: False}
     assert not stop_declined(tmp_path)
     for client in ranks:
+        client.close()
+
+
+def test_the_drivers_own_stop_tells_no_stopper_and_once_withdrawn_reaches_no_new_rank(ch, tmp_path):
+    """A decommissioned node's stop comes from the driver itself: no ``stop-declined`` file (the
+    supervisor did not ask), but ``declined`` says that no rank watches. Withdrawn (an elastic
+    group meeting again without the node), the ranks of the new group are not stopped."""
+    from airflow_provider_torchdist.spark.wire.protocol import StopAnswer
+    from airflow_provider_torchdist.spark.wire.stop_request import DECOMMISSIONED, stop_declined
+
+    ranks = [ch.client(0), ch.client(1)]
+    wait_until(lambda: len(ch.channel.stops._ranks) == 2, what="both ranks")
+    assert ch.channel.stops.stop(DECOMMISSIONED, 5.0)
+    for client in ranks:
+        client.send(StopAnswer(False))
+    assert ch.channel.stops.declined.wait(5)
+    assert not stop_declined(tmp_path)
+
+    ch.channel.stops.withdraw()
+    assert ch.channel.stops.request is None and not ch.channel.stops.declined.is_set()
+    heard: list[object] = []
+    new_rank = ch.client(2)
+    new_rank.listen(heard.append)
+    wait_until(lambda: 2 in ch.channel.stops._ranks.values(), what="the new group's rank")
+    time.sleep(0.2)
+    assert heard == []
+    assert ch.channel.stops.stop("timeout", 30.0, from_stopper=True)  # a later stop is a first one
+    wait_until(lambda: heard, what="the new rank to hear the later stop")
+    for client in (*ranks, new_rank):
         client.close()
 
 

@@ -53,9 +53,9 @@ class FakeTracker:
 def verifier(monkeypatch: pytest.MonkeyPatch) -> SchedulerVerifier:
     tasks = {
         (3, 1): [
-            (101, 0, "10.0.0.1", "RUNNING"),
-            (102, 1, "10.0.0.2", "RUNNING"),
-            (99, 1, "10.0.0.3", "FAILED"),
+            (101, 0, "10.0.0.1", "RUNNING", "1"),
+            (102, 1, "10.0.0.2", "RUNNING", "2"),
+            (99, 1, "10.0.0.3", "FAILED", "3"),
         ]
     }
     monkeypatch.setattr(

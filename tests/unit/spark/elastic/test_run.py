@@ -356,3 +356,32 @@ def test_when_no_group_forms_again_after_a_loss_the_run_is_cancelled(monkeypatch
     monitor.world_size(1)
     time.sleep(3.0)
     assert not cancelled and not monitor.gave_up
+
+
+def test_a_decommissioned_node_that_left_restarts_every_rank_now_and_its_executors_end_is_no_loss() -> None:
+    from airflow_provider_torchdist.spark.elastic.run import ElasticMonitor
+
+    class Store:
+        def __init__(self) -> None:
+            self.requests: list[float] = []
+
+        def restart_survivors(self, lost_at: float) -> int:
+            self.requests.append(lost_at)
+            return len(self.requests)
+
+    store, lines = Store(), []
+    monitor = ElasticMonitor(
+        _spec(num_processes="2:4", nproc_per_node=2), store, lambda: None, say=lines.append
+    )
+    monitor.world_size(4)
+    before = time.time()
+    monitor.left({"10.0.0.12:40002": "10.0.0.12"})
+    # Every rank waits after its checkpoint: all of them restart (none started after "now").
+    assert len(store.requests) == 1 and store.requests[0] >= before
+    monitor.lost({"10.0.0.12:40002": "10.0.0.12"})  # the decommissioned executor ends later
+    assert len(store.requests) == 1
+    monitor.world_size(2)
+    assert monitor.history.entries[-1]["reason"] == "the node on 10.0.0.12 was decommissioned"
+    assert any(
+        "elastic: the node on 10.0.0.12 left at" in line and "(decommissioned)" in line for line in lines
+    )

@@ -9,8 +9,11 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+
+from airflow_provider_torchdist.spark.node import stop
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -181,3 +184,42 @@ def test_outside_a_run_nothing_is_requested():
 
     assert stop_requested() is False
     assert stop_requested(all_ranks=True) is False  # no process group: the local answer
+
+
+def test_an_elastic_rank_that_returned_for_a_decommissioned_node_waits_for_its_regroup():
+    """It must not end as a finished run would; it waits for the driver to restart its group, and
+    raises (a failure the driver hears) only if that never comes."""
+    done = run(
+        """
+        stop.install("SIGTERM")
+        stop.REGROUP_WAIT_S = 0.3
+        stop.request_stop("node decommissioned", 0.2, "SIGTERM")
+        time.sleep(0.1)
+        started = time.monotonic()
+        try:
+            stop.wait_for_regroup()
+        except RuntimeError as exc:
+            print("raised", time.monotonic() - started >= 0.35, str(exc)[:60])
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    # What was left of the grace period (about 0.1 s), then REGROUP_WAIT_S.
+    assert done.stdout.strip() == "raised True this rank checkpointed for a decommissioned node and waited"
+
+
+def test_only_an_elastic_runs_decommission_stop_makes_a_returning_rank_wait(monkeypatch):
+    from airflow_provider_torchdist.spark.node import rank
+    from airflow_provider_torchdist.spark.wire.stop_request import DECOMMISSIONED
+
+    waited = []
+    monkeypatch.setattr(stop, "wait_for_regroup", lambda: waited.append(1))
+    for elastic, reason, expected in (
+        (True, DECOMMISSIONED, 1),
+        (False, DECOMMISSIONED, 0),  # a fixed run ends: its retry resumes
+        (True, "timeout", 0),  # a stopped elastic run ends too
+        (True, None, 0),  # no stop: a finished run
+    ):
+        waited.clear()
+        monkeypatch.setattr(stop, "stop_details", lambda reason=reason: (reason, 1.0))
+        rank._wait_if_regrouping(SimpleNamespace(elastic=elastic))
+        assert len(waited) == expected, (elastic, reason)

@@ -1,0 +1,152 @@
+"""Spark decommissioning an executor that runs a node: the driver's graceful stop, without a JVM
+(the real decommission of a Worker is in tests/integration/test_worker_loss.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from airflow_provider_torchdist.spark.driver import decommission
+from airflow_provider_torchdist.spark.driver.decommission import Decommissions, decommission_message
+from airflow_provider_torchdist.spark.driver.stop_fanout import StopFanout
+from airflow_provider_torchdist.spark.wire.protocol import StopRequest
+from airflow_provider_torchdist.spark.wire.stop_request import DECOMMISSIONED, stop_declined
+from tests.unit.conftest import wait_until
+
+
+class FakeSpark:
+    """What the decommission watch reads of Spark (jvm_status and the job group's tasks)."""
+
+    def __init__(self) -> None:
+        self.decommissioning: list[str] = []
+        #: (task attempt id, partition, host, status, executor id) of the run's job group
+        self.tasks = [(11, 0, "10.0.0.11", "RUNNING", "1"), (12, 1, "10.0.0.12", "RUNNING", "2")]
+        self.killed: list[tuple[int, str]] = []
+
+
+@pytest.fixture
+def spark(monkeypatch: pytest.MonkeyPatch) -> FakeSpark:
+    fake = FakeSpark()
+    monkeypatch.setattr(decommission, "decommissioning_executors", lambda sc: list(fake.decommissioning))
+    monkeypatch.setattr(decommission, "group_tasks", lambda sc, group: list(fake.tasks))
+    monkeypatch.setattr(
+        decommission, "executor_address", lambda sc, executor: f"10.0.0.1{executor}:4000{executor}"
+    )
+
+    def kill(sc: object, task: int, reason: str) -> bool:
+        fake.killed.append((task, reason))
+        fake.tasks = [(*t[:3], "KILLED" if t[0] == task else t[3], t[4]) for t in fake.tasks]
+        return True
+
+    monkeypatch.setattr(decommission, "kill_task_attempt", kill)
+    monkeypatch.setattr(decommission, "MARGIN_S", 0.0)
+    return fake
+
+
+def _watch(
+    tmp_path: Path, grace: float = 0.3, leave: Any = None
+) -> tuple[Decommissions, StopFanout, list[str], list[int]]:
+    lines: list[str] = []
+    cancels: list[int] = []
+    stops = StopFanout(tmp_path, lines.append)
+    watch = Decommissions(
+        object(),
+        "torchdist-run",
+        stops,
+        lines.append,
+        lambda: cancels.append(1),
+        grace,
+        2,
+        leave=leave,
+        every=0.01,
+    )
+    return watch, stops, lines, cancels
+
+
+def test_a_fixed_run_whose_nodes_executor_is_decommissioned_stops_gracefully_then_fails(spark, tmp_path):
+    watch, stops, lines, cancels = _watch(tmp_path)
+    with watch:
+        spark.decommissioning = ["2"]
+        wait_until(lambda: stops.request is not None, what="the stop request")
+        assert stops.request == StopRequest(DECOMMISSIONED, 0.3)
+        assert watch.error == decommission_message(["10.0.0.12"], [1], 2, 0.3)
+        assert watch.error.startswith("node decommissioned: Spark decommissioned the executor on 10.0.0.12")
+        assert "node(s) [1] (rank(s) [2, 3])" in watch.error and "retry" in watch.error
+        # The ranks outlast the grace period: the stage is cancelled.
+        wait_until(lambda: cancels, what="the cancel after the grace period")
+    assert any("Spark is decommissioning the executor on 10.0.0.12 (node(s) [1])" in line for line in lines)
+    assert not stop_declined(tmp_path)  # the driver's own stop: no supervisor waits on that file
+
+
+def test_a_fixed_run_whose_ranks_return_within_the_grace_period_is_not_cancelled(spark, tmp_path):
+    watch, stops, _, cancels = _watch(tmp_path, grace=0.5)
+    with watch:
+        spark.decommissioning = ["1"]
+        wait_until(lambda: stops.request is not None, what="the stop request")
+    # The stage ended (the context exits) before the grace period was out.
+    time.sleep(0.7)
+    assert cancels == [] and watch.error is not None
+
+
+def test_when_no_rank_watches_for_stops_a_fixed_run_is_cancelled_at_once(spark, tmp_path):
+    watch, stops, _, cancels = _watch(tmp_path, grace=60.0)
+    with watch:
+        spark.decommissioning = ["1"]
+        wait_until(lambda: stops.request is not None, what="the stop request")
+        stops.declined.set()
+        wait_until(lambda: cancels, what="the cancel", timeout=5)
+
+
+def test_an_executor_running_none_of_the_runs_nodes_stops_nothing(spark, tmp_path):
+    spark.tasks = [(11, 0, "10.0.0.11", "RUNNING", "1"), (9, 1, "10.0.0.13", "FAILED", "3")]
+    watch, stops, _, _ = _watch(tmp_path)
+    spark.decommissioning = ["3", "7"]
+    assert watch.poll() is False
+    assert stops.request is None and watch.error is None
+    assert watch.poll() is False  # each executor is looked at once
+
+
+def test_an_elastic_runs_decommissioned_node_leaves_after_the_grace_period(spark, tmp_path):
+    left: list[dict[str, str]] = []
+    watch, stops, lines, cancels = _watch(tmp_path, grace=0.2, leave=left.append)
+    with watch:
+        spark.decommissioning = ["2"]
+        wait_until(lambda: left, what="the node to leave")
+    assert spark.killed and spark.killed[0][0] == 12 and spark.killed[0][1].startswith(DECOMMISSIONED)
+    assert left == [{"10.0.0.12:40002": "10.0.0.12"}]
+    # ... once its task had ended (Spark said so): its agent cannot join the others' next round.
+    assert (12, 1, "10.0.0.12", "KILLED", "2") in spark.tasks
+    # The group that meets again trains on: the request is withdrawn, no error, no cancel.
+    assert stops.request is None and watch.error is None and cancels == []
+    assert any("then that node leaves and the others restart from the checkpoint" in line for line in lines)
+
+
+def test_the_others_restart_only_once_the_decommissioned_nodes_task_has_ended(spark, tmp_path, monkeypatch):
+    monkeypatch.setattr(decommission, "kill_task_attempt", lambda sc, task, reason: True)  # slow to end
+    left: list[dict[str, str]] = []
+    watch, stops, _, _ = _watch(tmp_path, grace=0.0, leave=left.append)
+    with watch:
+        spark.decommissioning = ["2"]
+        wait_until(lambda: stops.request is not None, what="the stop request")
+        time.sleep(0.5)
+        assert left == []
+        spark.tasks = [t if t[0] != 12 else (*t[:3], "KILLED", t[4]) for t in spark.tasks]
+        wait_until(lambda: left, what="the node to leave once its task ended")
+
+
+def test_a_read_that_races_the_scheduler_is_retried_at_the_next_poll(spark, tmp_path, monkeypatch):
+    reads = []
+
+    def flaky(sc: object) -> list[str]:
+        reads.append(1)
+        if len(reads) == 1:
+            raise RuntimeError("py4j: ConcurrentModificationException")
+        return ["2"]
+
+    monkeypatch.setattr(decommission, "decommissioning_executors", flaky)
+    watch, stops, _, _ = _watch(tmp_path)
+    with watch:
+        wait_until(lambda: stops.request is not None, what="the stop after the failed read")
