@@ -666,6 +666,23 @@ def _data_path(sec: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def _chaos(sec: dict[str, Any]) -> list[str]:
+    lines = [
+        "### Chaos soak",
+        "",
+        f"`python bench/chaos.py --runs {sec['runs']} --seed {sec['seed']}` ({sec['minutes']} min): DAG runs of a "
+        "small checkpointing training (2 ranks on a netns cluster of 2 one-core Workers, through a real Airflow "
+        "on PostgreSQL, one retry), each hit by one fault at a random moment of its training. Per run it checks "
+        "the outcome (success with the right value, or a failure whose log names the fault), that no step trained "
+        "twice beyond the one interrupted, that nothing of the run is left 30 s after it ended (by PID), and "
+        "that no staging directory is left. The short form (one run of each fault but the disk) is "
+        "`tests/integration/test_chaos.py`, in CI.",
+        "",
+        sec["table"],
+    ]
+    return lines + [""]
+
+
 def render(results: dict[str, Any]) -> str:
     """Every result, as the markdown of ``docs/benchmarks.md``'s results section."""
     lines = ["## Results", ""]
@@ -682,6 +699,7 @@ def render(results: dict[str, Any]) -> str:
         ("scaling", _scaling),
         ("elastic", _elastic),
         ("data_path", _data_path),
+        ("chaos", _chaos),
     ):
         if key == "launch_changes":
             lines += _launch_changes(results)

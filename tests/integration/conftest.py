@@ -39,6 +39,7 @@ _SHARED_SET_UPS = {"deployment", "connect_server"}
 SHARED_SET_UP_FILES = {
     "test_airflow_features.py",
     "test_assets.py",
+    "test_chaos.py",
     "test_connect.py",
     "test_connect_lifetime.py",
     "test_connect_reattach.py",
