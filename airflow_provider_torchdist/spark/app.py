@@ -155,7 +155,7 @@ def barrier_stage(
     watch = ExecutorWatch(sc, cancel)
     # A decommissioned executor's node is going away: the ranks checkpoint, then the run fails.
     leaving = Decommissions(
-        sc, group, channel.stops, channel.say, cancel, spec.stop_grace_period, spec.nproc_per_node
+        sc, group, channel.stops, watch, channel.say, cancel, spec.stop_grace_period, spec.nproc_per_node
     )
     try:
         with watch, leaving:

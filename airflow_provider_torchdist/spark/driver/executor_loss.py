@@ -34,6 +34,9 @@ class ExecutorWatch:
         self._busy: dict[str, str] = {}
         #: Executors ("host:port" of their block manager) that disappeared while running a task: their hosts.
         self.lost: dict[str, str] = {}
+        #: Executors whose end is no loss: Spark decommissioned them, and they leave once their
+        #: node's ranks have checkpointed (:mod:`.decommission`).
+        self._leaving: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torchdist-executor-watch", daemon=True)
 
@@ -45,11 +48,15 @@ class ExecutorWatch:
         self._stop.set()
         self._thread.join(5)
 
+    def expect_gone(self, addresses: set[str]) -> None:
+        """These executors will end, and that is no loss (a decommissioned node leaving)."""
+        self._leaving |= addresses
+
     def poll(self) -> list[str]:
         """Check once; return the executors newly found lost."""
         live = {f"{host}:{port}": (host, running) for host, port, running in executor_infos(self._sc)}
         self._busy.update({address: host for address, (host, running) in live.items() if running > 0})
-        new = [a for a in self._busy if a not in live and a not in self.lost]
+        new = [a for a in self._busy if a not in live and a not in self.lost and a not in self._leaving]
         for address in new:
             self.lost[address] = self._busy[address]
         return new

@@ -39,9 +39,12 @@ class StopFanout:
         self.answers: dict[int, bool] = {}
         #: Set once every connected rank answered and none watches for stops.
         self.declined = threading.Event()
-        #: Whether the request came from the stopper (who then waits on ``stop-declined``) or from
-        #: the driver itself (a decommissioned node: :mod:`.decommission`).
-        self._stopper_asked = False
+        #: Whether the stopper asked (it then waits on ``stop-declined``), besides or instead of the
+        #: driver itself (a decommissioned node: :mod:`.decommission`). The stopper's stop stands:
+        #: it is never withdrawn.
+        self.stopper_asked = False
+        #: How many ranks the request went to when it was made.
+        self.sent_to = 0
         self._closed = threading.Event()
 
     def watch(self) -> None:
@@ -61,27 +64,39 @@ class StopFanout:
 
     def stop(self, reason: str, grace: float, from_stopper: bool = False) -> bool:
         """Ask every rank, connected now or later, to checkpoint and return within ``grace`` seconds;
-        False when already asked (the first request stands). ``from_stopper``: the request came
-        from the stop-request file, and its stopper is told when no rank watches."""
+        False when already asked (the first request stands, and the ranks are stopping already).
+        ``from_stopper``: the request came from the stop-request file; its stopper is told when no
+        rank watches, and its stop is never withdrawn, even when it came second."""
         request = wire.StopRequest(reason, grace)
         with self._lock:
-            if self.request is not None:
-                return False
-            self.request = request
-            self._stopper_asked = from_stopper
+            if from_stopper:
+                self.stopper_asked = True
+            first = self.request is None
+            if first:
+                self.request = request
+                self.sent_to = len(self._ranks)
             ranks = list(self._ranks)
+            tell_stopper = from_stopper and self.declined.is_set()
+        if tell_stopper:
+            write_stop_declined(self._dir, len(self.answers))
+        if not first:
+            return False
         self._say(f"the stop request ({reason}) goes to {len(ranks)} rank(s)")
         for sock in ranks:
             _send(sock, request)
         return True
 
-    def withdraw(self) -> None:
-        """Forget the request and its answers: an elastic run's worker group that meets again after a
-        node left (:mod:`.decommission`) trains on. A later request is then sent as a first one."""
+    def withdraw(self) -> bool:
+        """Forget the driver's own request and its answers: an elastic run's worker group that meets
+        again after a node left (:mod:`.decommission`) trains on, and a later request is sent as a
+        first one. False, withdrawing nothing, once the stopper has asked: its stop stands."""
         with self._lock:
+            if self.stopper_asked:
+                return False
             self.request = None
             self.answers = {}
             self.declined.clear()
+            return True
 
     def rank_connected(self, sock: socket.socket, rank: int) -> None:
         """A verified rank's connection: it gets the stop, now if one was asked for already."""
@@ -103,7 +118,7 @@ class StopFanout:
                 return
             self.answers[rank] = watching
             declined = not any(self.answers.values()) and set(self._ranks.values()) <= set(self.answers)
-            to_stopper = declined and self._stopper_asked
+            to_stopper = declined and self.stopper_asked
         if declined:
             self.declined.set()
         if to_stopper:

@@ -113,6 +113,7 @@ def elastic_stage(
         sc,
         group,
         channel.stops,
+        watch,
         channel.say,
         monitor.cancel,
         spec.stop_grace_period,
@@ -152,6 +153,8 @@ class ElasticMonitor:
         self._cancel = cancel
         self.history = WorldSizeHistory(say=say)
         self._noted: set[str] = set()
+        #: The executor watch's thread and the decommission watch's may report at once.
+        self._lock = threading.Lock()
         self._regrouped = threading.Event()
         #: Set when the deadline after a loss passed without a new worker group.
         self.gave_up = False
@@ -175,11 +178,12 @@ class ElasticMonitor:
         self.lost(executors, decommissioned=True)
 
     def lost(self, executors: dict[str, str], decommissioned: bool = False) -> None:
-        new = [(address, host) for address, host in list(executors.items()) if address not in self._noted]
+        with self._lock:
+            new = [(address, host) for address, host in list(executors.items()) if address not in self._noted]
+            self._noted.update(address for address, _ in new)
         if not new:
             return
-        for address, host in new:
-            self._noted.add(address)
+        for _, host in new:
             self.history.node_lost(host, decommissioned=decommissioned)
         # Survivors may block in a collective with the lost ranks: restart those that started
         # before the loss (Spark noticed it a moment after it happened).

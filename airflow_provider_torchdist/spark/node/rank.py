@@ -235,7 +235,12 @@ def run_rank(
             if client:
                 client.error(describe_exception(exc))
             raise
-        _wait_if_regrouping(spec)
+        try:
+            _wait_if_regrouping(spec)
+        except RuntimeError as never_restarted:
+            if client:
+                client.error(describe_exception(never_restarted))
+            raise
     except BaseException as exc:
         sys.stderr.write(user_traceback(exc))
         if client:

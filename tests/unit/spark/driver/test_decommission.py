@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 
 from airflow_provider_torchdist.spark.driver import decommission
 from airflow_provider_torchdist.spark.driver.decommission import Decommissions, decommission_message
+from airflow_provider_torchdist.spark.driver.executor_loss import ExecutorWatch
 from airflow_provider_torchdist.spark.driver.stop_fanout import StopFanout
 from airflow_provider_torchdist.spark.wire.protocol import StopRequest
 from airflow_provider_torchdist.spark.wire.stop_request import DECOMMISSIONED, stop_declined
@@ -52,10 +54,12 @@ def _watch(
     lines: list[str] = []
     cancels: list[int] = []
     stops = StopFanout(tmp_path, lines.append)
+    executors = ExecutorWatch(object(), lambda: None)
     watch = Decommissions(
         object(),
         "torchdist-run",
         stops,
+        executors,
         lines.append,
         lambda: cancels.append(1),
         grace,
@@ -63,7 +67,20 @@ def _watch(
         leave=leave,
         every=0.01,
     )
+    watch.executors = executors  # type: ignore[attr-defined]
+    _connect_two_ranks(stops)
     return watch, stops, lines, cancels
+
+
+def _connect_two_ranks(stops: StopFanout) -> None:
+    """Two ranks connected (sockets of a pair nobody reads): the stop reaches them."""
+    for rank in (0, 1):
+        ours, theirs = socket.socketpair()
+        stops.rank_connected(ours, rank)
+        _KEEP.append((ours, theirs))
+
+
+_KEEP: list[tuple[socket.socket, socket.socket]] = []
 
 
 def test_a_fixed_run_whose_nodes_executor_is_decommissioned_stops_gracefully_then_fails(spark, tmp_path):
@@ -79,6 +96,56 @@ def test_a_fixed_run_whose_nodes_executor_is_decommissioned_stops_gracefully_the
         wait_until(lambda: cancels, what="the cancel after the grace period")
     assert any("Spark is decommissioning the executor on 10.0.0.12 (node(s) [1])" in line for line in lines)
     assert not stop_declined(tmp_path)  # the driver's own stop: no supervisor waits on that file
+    # The executor leaves once its node's ranks returned: that is no loss for the executor watch.
+    assert watch.executors._leaving == {"10.0.0.12:40002"}
+
+
+def test_a_stop_that_reached_no_rank_leaves_a_finished_fixed_run_alone(spark, tmp_path):
+    """Every rank had returned (the status store lags the tasks' end): no error, no cancel."""
+    watch, stops, _, cancels = _watch(tmp_path, grace=0.1)
+    for sock in list(stops._ranks):
+        stops.rank_gone(sock)
+    with watch:
+        spark.decommissioning = ["2"]
+        wait_until(lambda: stops.request is not None, what="the stop request")
+    assert watch.error is None and cancels == []
+
+
+def test_the_owners_stop_stands_over_a_decommission(spark, tmp_path):
+    """A timeout came first: the decommission neither replaces nor withdraws it, and the elastic
+    run's node is not made to leave (the owner's hard stop ends the run)."""
+    left: list[dict[str, str]] = []
+    watch, stops, lines, _ = _watch(tmp_path, grace=0.1, leave=left.append)
+    assert stops.stop("timeout", 30.0, from_stopper=True)
+    with watch:
+        spark.decommissioning = ["2"]
+        wait_until(lambda: any("owner is stopping it already" in line for line in lines), what="the line")
+        time.sleep(0.4)
+    assert stops.request == StopRequest("timeout", 30.0) and left == [] and spark.killed == []
+
+
+def test_an_owners_stop_during_a_decommission_is_kept_and_the_node_is_not_replaced(spark, tmp_path):
+    left: list[dict[str, str]] = []
+    watch, stops, lines, _ = _watch(tmp_path, grace=0.3, leave=left.append)
+    with watch:
+        spark.decommissioning = ["2"]
+        wait_until(lambda: stops.request is not None, what="the decommission's stop")
+        assert stops.stop("timeout", 30.0, from_stopper=True) is False  # the ranks stop already
+        wait_until(lambda: any("is not replaced" in line for line in lines), what="the owner's stop to stand")
+    assert stops.withdraw() is False and stops.request is not None and left == []
+
+
+def test_a_second_decommission_in_the_first_ones_grace_leaves_with_it(spark, tmp_path):
+    spark.tasks.append((13, 2, "10.0.0.13", "RUNNING", "3"))
+    left: list[dict[str, str]] = []
+    watch, stops, _, _ = _watch(tmp_path, grace=0.4, leave=left.append)
+    with watch:
+        spark.decommissioning = ["2"]
+        wait_until(lambda: stops.request is not None, what="the first stop")
+        spark.decommissioning = ["2", "3"]
+        wait_until(lambda: left, what="the nodes to leave")
+    assert sorted(task for task, _ in spark.killed) == [12, 13]
+    assert left == [{"10.0.0.12:40002": "10.0.0.12", "10.0.0.13:40003": "10.0.0.13"}]
 
 
 def test_a_fixed_run_whose_ranks_return_within_the_grace_period_is_not_cancelled(spark, tmp_path):

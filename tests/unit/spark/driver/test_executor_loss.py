@@ -65,3 +65,14 @@ def test_training_failed_puts_the_runs_own_error_first() -> None:
     assert text.startswith(
         "Distributed training failed: Spark lost the executor on 10.0.0.12; rank 0 on 10.0.0.11"
     )
+
+
+def test_an_executor_expected_to_go_is_no_loss() -> None:
+    """A decommissioned executor ends once its node's ranks have returned: no cancel."""
+    tracker, calls = FakeTracker(), []
+    tracker.executors = [("10.0.0.11", 40001, 1), ("10.0.0.12", 40002, 1)]
+    watch = _watch(tracker, calls)
+    watch.poll()
+    watch.expect_gone({"10.0.0.12:40002"})
+    tracker.executors = [("10.0.0.11", 40001, 1)]
+    assert watch.poll() == [] and not watch.lost
