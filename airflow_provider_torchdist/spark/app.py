@@ -262,7 +262,11 @@ def main(argv: list[str]) -> int:
 
 def finish(outcome: Outcome, staging: Path) -> int:
     """Write the outcome for the hook, say it, and return the exit code."""
-    outcome.write(staging)
+    try:
+        outcome.write(staging)
+    except OSError as exc:  # a full staging disk: say it where the task log shows it
+        print(f"[torchdist] the run's outcome could not be written to {staging}: {exc}", flush=True)
+        return 1
     if outcome.ok:
         print("[torchdist] training finished on all ranks", flush=True)
         return 0

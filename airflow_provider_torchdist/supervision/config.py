@@ -45,9 +45,13 @@ class RunLocked(SupervisorStartError):
 
 
 def log(message: str) -> None:
-    """One line of the supervisor's own log (its stdout is ``supervisor.log``)."""
+    """One line of the supervisor's own log (its stdout is ``supervisor.log``). Best effort: on a
+    full disk the line is lost, but the supervisor goes on (it still owns the run)."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(f"{stamp} [torchdist supervisor] {message}", flush=True)
+    try:
+        print(f"{stamp} [torchdist supervisor] {message}", flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 # -- the settings ---------------------------------------------------------------------------------

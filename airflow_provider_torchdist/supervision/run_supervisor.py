@@ -120,6 +120,12 @@ class RunSupervisor(OwnerRules):
     # -- the run
 
     def _run(self) -> None:
+        try:
+            self._submit_and_conclude()
+        except Exception as exc:  # anything unforeseen still ends the run, never leaves it hanging
+            self._finish("failed", error=f"The run's supervisor failed while it ran the run: {exc!r}")
+
+    def _submit_and_conclude(self) -> None:
         submit_error: BaseException | None = None
         try:
             if self._follow:

@@ -83,7 +83,7 @@ def run_verdict(
 ) -> tuple[str, dict[str, Any]]:
     """spark-submit has ended: the run's end state and its details (for ``RunState.finish``), as
     ``hook.run()`` would judge it. ``output_file`` is rank 0's output file (None for a script)."""
-    from airflow_provider_torchdist.spark.wire.outcome import Outcome
+    from airflow_provider_torchdist.spark.wire.outcome import OUTCOME_FILE, Outcome
     from airflow_provider_torchdist.spark.wire.output_store import OutputManifest
 
     try:
@@ -91,10 +91,13 @@ def run_verdict(
     except (OSError, ValueError, TypeError) as exc:
         outcome, submit_error = None, submit_error or exc
     if outcome is None:
-        return "failed", {
-            "error": f"The Spark application ended before the training driver reported an outcome: {submit_error}",
-            "metrics": [],
-        }
+        error = f"The Spark application ended before the training driver reported an outcome: {submit_error}"
+        if (staging_dir / OUTCOME_FILE).with_suffix(".tmp").exists():
+            error = (
+                f"The training driver could not write its outcome into the staging directory {staging_dir} "
+                f"(is its disk full?): {submit_error}"
+            )
+        return "failed", {"error": error, "metrics": []}
     # What every verdict carries from the outcome, succeeded or failed.
     seen = {"metrics": outcome.metrics, "world_sizes": outcome.world_sizes}
     if not outcome.ok:

@@ -77,6 +77,11 @@ def send_output(client: ChannelClient | None, value: Any, output_dir: str | None
                         dump_output(value, writer)
                 finally:
                     digest = writer.hexdigest()
+        except OSError as exc:  # the file, not the value: a full disk, say
+            raise OSError(
+                exc.errno,
+                f"rank 0's return value could not be written to {os.path.dirname(path)}: {exc.strerror}",
+            ) from exc
         except Exception as exc:
             raise TypeError(
                 f"rank 0's return value ({type(value).__qualname__}) could not be pickled: {exc}. "
