@@ -77,6 +77,23 @@ def soak_bed(work: Path) -> Iterator[Bed]:
             assert not leftover_network(PREFIX)
 
 
+def _record(args: argparse.Namespace, results: list, started: float, done: bool) -> None:
+    """The section so far, after every run: a soak cut short still leaves what it saw."""
+    update_results(
+        "chaos",
+        {
+            "machine": machine_info(),
+            "runs": len(results),
+            "planned": args.runs,
+            "complete": done,
+            "seed": args.seed,
+            "minutes": round((time.monotonic() - started) / 60, 1),
+            "table": table(results),
+            "results": [vars(r) for r in results],
+        },
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=40)
@@ -95,19 +112,8 @@ def main() -> None:
             )
             if result.detail:
                 log(f"  {result.detail}")
-    text = table(results)
-    print(text)
-    update_results(
-        "chaos",
-        {
-            "machine": machine_info(),
-            "runs": args.runs,
-            "seed": args.seed,
-            "minutes": round((time.monotonic() - started) / 60, 1),
-            "table": text,
-            "results": [vars(r) for r in results],
-        },
-    )
+            _record(args, results, started, done=index + 1 == args.runs)
+    print(table(results))
     from report import render_docs
 
     render_docs()

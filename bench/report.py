@@ -670,7 +670,8 @@ def _chaos(sec: dict[str, Any]) -> list[str]:
     lines = [
         "### Chaos soak",
         "",
-        f"`python bench/chaos.py --runs {sec['runs']} --seed {sec['seed']}` ({sec['minutes']} min): DAG runs of a "
+        f"`python bench/chaos.py --runs {sec.get('planned', sec['runs'])} --seed {sec['seed']}` ({sec['runs']} runs "
+        f"done{'' if sec.get('complete', True) else ', cut short'}, {sec['minutes']} min): DAG runs of a "
         "small checkpointing training (2 ranks on a netns cluster of 2 one-core Workers, through a real Airflow "
         "on PostgreSQL, one retry), each hit by one fault at a random moment of its training. Per run it checks "
         "the outcome (success with the right value, or a failure whose log names the fault), that no step trained "
