@@ -519,6 +519,10 @@ def _retire(worker: WorkerInfo, marker_dir: Path) -> None:
         time.sleep(0.2)
     left = {pid: command_line(pid)[:120] for pid in set(netns_pids(worker.netns)) - {worker.pid}}
     os.kill(worker.pid, signal.SIGKILL)
+    # SIGKILL is delivered, not done, when kill returns: restart_lost_workers must see it gone.
+    deadline = time.monotonic() + 15
+    while is_alive(worker.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not left, f"left running on the decommissioned host: {left}"
 
 
