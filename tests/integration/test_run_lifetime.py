@@ -85,7 +85,11 @@ def test_sigkill_of_a_durable_task_is_survived_and_the_retry_reattaches(
 def _trigger_until_training(deployment: Deployment, dag: str, gate: Path) -> str:
     """Trigger ``dag`` with ``gate``; returns the run id once both ranks train (held at the gate)."""
     run_id = deployment.trigger(dag, {"gate_dir": str(gate)})
-    wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    try:
+        wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
+    except pytest.fail.Exception as exc:
+        # Where the run was (hunt 12 timed out here at a load of 10 to 13 on 2 cores, with no clue).
+        pytest.fail(f"{exc}\n{deployment.run_report(dag, run_id)}")
     return run_id
 
 
