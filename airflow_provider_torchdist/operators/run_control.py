@@ -186,7 +186,8 @@ class SupervisedRunMixin(ResumableJobMixin):
         record = held_record(event["record"], context)
         if state == "timeout":  # the trigger stopped the run at its deadline
             self._end_timed_out(record)
-            raise timeout_error(record.run_id, record.deadline, "while the task was deferred")
+            how = event.get("stop_report")  # how the stop went, as the trigger saw it
+            raise timeout_error(record.run_id, record.deadline, "while the task was deferred", str(how or ""))
         if state in ("error", "gone"):
             if state == "error":
                 # The task fails: a run still there would hold its application and checkpoint lock

@@ -49,13 +49,17 @@ def seconds_left(deadline: float | None, now: float | None = None) -> float | No
     return max(0.0, deadline - (time.time() if now is None else now))
 
 
-def timeout_error(run_id: str, deadline: float | None, where: str) -> AirflowTaskTimeout:
-    """The try's failure when its run was stopped at its deadline (``where``: "while deferred", ...)."""
+def timeout_error(
+    run_id: str, deadline: float | None, where: str, stop_report: str = ""
+) -> AirflowTaskTimeout:
+    """The try's failure when its run was stopped at its deadline (``where``: "while deferred", ...;
+    ``stop_report``: how the stop went, when whoever stopped it saw)."""
     at = ""
     if deadline is not None:
         at = f" ({dt.datetime.fromtimestamp(deadline, dt.UTC).isoformat(timespec='seconds')})"
+    how = f" How the stop went: {stop_report.strip()}." if stop_report.strip() else ""
     return AirflowTaskTimeout(
-        f"Run {run_id} passed the task's execution_timeout{at} {where}: the run was stopped. "
+        f"Run {run_id} passed the task's execution_timeout{at} {where}: the run was stopped.{how} "
         "Raise execution_timeout, or checkpoint so that a retry resumes where it stopped."
     )
 

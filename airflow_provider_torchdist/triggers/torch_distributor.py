@@ -27,9 +27,10 @@ Connect run's operation added once the trigger has seen it):
 
 - ``{"state": "succeeded" | "failed", "status": RunStatus.to_dict()}``: the run ended;
 - ``{"state": "gone", "message": ...}``: no supervisor answered for ``reattach_timeout``;
-- ``{"state": "timeout", "message": ...}``: the record's ``deadline`` (the task's
-  ``execution_timeout``) passed while the task was deferred; the trigger stopped the run
-  (as ``on_kill`` does) and the task fails with ``AirflowTaskTimeout``;
+- ``{"state": "timeout", "message": ..., "stop_report": ...}``: the record's ``deadline`` (the
+  task's ``execution_timeout``) passed while the task was deferred; the trigger stopped the run
+  (as ``on_kill`` does), logged its lines while it stopped and says how the stop went
+  (``stop_report``); the task fails with ``AirflowTaskTimeout``;
 - ``{"state": "error", "message": ...}``: the supervisor refused the credential, it cannot be derived,
   or the trigger itself failed (the task then stops the run).
 """
@@ -49,7 +50,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
-from airflow_provider_torchdist.supervision.deadline import seconds_left
+from airflow_provider_torchdist.supervision.deadline import STOP_WAIT_S, seconds_left
 from airflow_provider_torchdist.supervision.lifeline import (
     AppEvent,
     AsyncOwnerConnection,
@@ -68,6 +69,9 @@ CLASSPATH = "airflow_provider_torchdist.triggers.torch_distributor.TorchDistribu
 MAX_BACKOFF_S = 60.0
 #: The longest single wait for a deadline asyncio is asked for (a deadline years away is fine).
 MAX_WAIT_S = 10 * 365 * 86400.0
+#: The most lines of a stopping run that go into the trigger's log (a chatty training's last ones
+#: are not what a user needs from a stop).
+MAX_STOP_LINES = 50
 #: One connection attempt (TCP connect and the mutual authentication).
 CONNECT_TIMEOUT_S = 10.0
 #: What a failed connection attempt raises when nothing answers (yet) at the supervisor's address:
@@ -170,13 +174,15 @@ class TorchDistributorTrigger(BaseTrigger):
             "Run %s passed the task's execution_timeout while the task was deferred: stopping it.",
             record.run_id,
         )
+        how = ""
         try:
-            await self._stop_run("timeout")
+            how = await self._stop_run("timeout", follow=True)
         except Exception as exc:  # the task makes sure the run ended (execute_complete)
             self.log.warning("Could not stop run %s at its deadline: %s", record.run_id, exc)
         return self._event(
             "timeout",
             message=f"run {record.run_id} passed the task's execution_timeout while the task was deferred",
+            stop_report=how,
         )
 
     async def _outcome(self) -> TriggerEvent:
@@ -250,8 +256,11 @@ class TorchDistributorTrigger(BaseTrigger):
         """The user killed the deferred task (mark-failed, clear): stop the run, then close."""
         await self._stop_run("killed")
 
-    async def _stop_run(self, why: str) -> None:
-        """Tell the run's supervisor to stop it (``why``: "killed", "timeout"), then close."""
+    async def _stop_run(self, why: str, follow: bool = False) -> str:
+        """Tell the run's supervisor to stop it (``why``: "killed", "timeout"), then close.
+
+        With ``follow``, the run's lines while it stops go to the trigger's log (the task log) for
+        up to ``STOP_WAIT_S``; returns how the stop went as far as seen ("" without ``follow``)."""
         record = self._record
         try:
             for attempt in range(2):
@@ -268,7 +277,7 @@ class TorchDistributorTrigger(BaseTrigger):
                         )
                     except RunGone:
                         self.log.info("Run %s had already ended; nothing to stop.", record.run_id)
-                        return
+                        return "the run had already ended"
                 try:
                     await connection.stop(why)
                 except LifelineError:
@@ -277,9 +286,35 @@ class TorchDistributorTrigger(BaseTrigger):
                     await self._close()  # the kept connection had dropped: once more on a new one
                     continue
                 self.log.info("Stopped run %s at %s:%s.", record.run_id, record.host, record.port)
-                return
+                return await self._follow_stop(connection) if follow else ""
         finally:
             await self._close()
+        return ""  # (not reached: the second attempt returns or raises)
+
+    async def _follow_stop(self, connection: AsyncOwnerConnection) -> str:
+        """The run's lines while it stops (the supervisor's "stop requested ...", the ranks'
+        checkpoints), into the trigger's log; its final error once it ended. Bounded: Airflow's own
+        trigger timeout comes ``TRIGGER_TIMEOUT_MARGIN_S`` after the deadline, and the task makes
+        sure the run ended anyway (``execute_complete``)."""
+        run_id, shown = self._record.run_id, 0
+        scope = asyncio.timeout(STOP_WAIT_S)
+        try:
+            async with scope, contextlib.aclosing(connection.events()) as events:
+                async for event in events:
+                    if isinstance(event, LineEvent) and shown < MAX_STOP_LINES:
+                        shown += 1
+                        self.log.info("Run %s: %s", run_id, event.text)
+                    elif isinstance(event, DoneEvent):
+                        report = event.status.error or f"the run {event.status.state}"
+                        self.log.info("Run %s after the stop: %s", run_id, report)
+                        return report
+        except TimeoutError:
+            if not scope.expired():
+                raise
+            return f"the run was still stopping {STOP_WAIT_S:g} s after the stop request"
+        except LifelineError as exc:
+            return f"the lifeline dropped while the run stopped ({exc})"
+        return ""  # the lifeline closed with the run: the task's own check (execute_complete) follows
 
     async def cleanup(self) -> None:
         """Only close the lifeline: a triggerer restart must not stop the run (it waits for the next)."""

@@ -204,6 +204,9 @@ def test_execution_timeout_while_deferred_stops_the_run_and_times_the_try_out(
     )
     log = deployment.task_log(dag_id, run_id, "train", 1)
     assert "AirflowTaskTimeout" in log and "passed the task's execution_timeout" in log, log[-3000:]
+    # How the stop went, in the task log: the supervisor's stop line as the trigger followed it,
+    # and the try's error.
+    assert "stop requested (timeout)" in log and "How the stop went:" in log, log[-3000:]
     wait_gone(tree, staging, ended, 15, "the timeout")
     assert not (gate / "release").exists()
 

@@ -575,6 +575,22 @@ def test_execute_complete_after_a_timeout_event_makes_sure_the_run_ended_then_ti
     assert whys == ["timeout"]  # what the ranks are told
 
 
+def test_a_timeout_events_stop_report_is_in_the_tasks_error(monkeypatch):
+    from airflow.providers.common.compat.sdk import AirflowTaskTimeout
+
+    from airflow_provider_torchdist.operators import run_control as operator_module
+
+    monkeypatch.setattr(operator_module, "end_run", lambda r, timeout, why: None)
+    report = "stopped (timeout); the ranks ended 1.2 s after the stop request (grace period 10 s)"
+    record = _record(deadline=1767225600.0).to_dict()
+    for given, said in ((report, f"How the stop went: {report}."), (None, ""), ("", "")):
+        event = {"state": "timeout", "message": "...", "record": record, "stop_report": given}
+        with pytest.raises(AirflowTaskTimeout) as raised:
+            _op().execute_complete({"ti": FakeTI()}, event)
+        assert said in str(raised.value)
+        assert ("How the stop went" in str(raised.value)) == bool(said)
+
+
 def test_airflows_own_trigger_timeout_stops_the_run_from_its_record_then_times_out(monkeypatch):
     from airflow.providers.common.compat.sdk import AirflowTaskTimeout
 

@@ -67,18 +67,21 @@ SUCCEEDED = status(
 
 
 class FakeConnection:
-    """One authenticated lifeline: its status at connect, then the events it streams."""
+    """One authenticated lifeline: its status at connect, then the events it streams; once stopped,
+    what a new iteration streams is ``after_stop`` (a stopping run's lines, its end), which ends
+    there."""
 
-    def __init__(self, at_connect: RunStatus, events: list[Any]) -> None:
+    def __init__(self, at_connect: RunStatus, events: list[Any], after_stop: list[Any] | None = None) -> None:
         self.status = at_connect
         self._events = events
+        self.after_stop = after_stop or []
         self.calls: list[str] = []
         self.whys: list[str | None] = []
         self.iterating = asyncio.Event()
 
     async def events(self) -> AsyncIterator[Any]:
         self.iterating.set()
-        for item in self._events:
+        for item in self.after_stop if "stop" in self.calls else self._events:
             if isinstance(item, BaseException):
                 raise item
             if item == HANG:
@@ -641,6 +644,50 @@ def test_at_the_records_deadline_the_run_is_stopped_and_the_event_is_timeout(
     assert events[0]["record"]["deadline"] == trigger.record["deadline"]
     assert connection.calls[0] == "stop"  # the run is stopped, not left to wait for an owner
     assert connection.whys == ["timeout"]  # its ranks are told why
+    assert events[0]["stop_report"] == ""  # the fake lifeline closed with no end seen
+
+
+def test_a_deadline_stop_is_followed_into_the_log_and_the_event_says_how_it_went(
+    lifeline: type[FakeLifeline], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The task log shows the stop: the supervisor's lines while the run stops, and its end."""
+    import time
+
+    ended = status("failed", error="stopped (timeout); the ranks ended 1.2 s after the stop request")
+    connection = FakeConnection(
+        status("running"),
+        [LineEvent(1, "rank 0 at step 3"), HANG],
+        after_stop=[
+            LineEvent(2, "[torchdist] stop requested (timeout): ranks have 10 s to checkpoint"),
+            LineEvent(3, "[torchdist] the run ended 1.2 s after the stop request"),
+            DoneEvent(ended),
+        ],
+    )
+    lifeline.script = [connection]
+
+    events = events_of(TorchDistributorTrigger(make_record() | {"deadline": time.time() + 0.3}))
+
+    assert [e["state"] for e in events] == ["timeout"]
+    assert events[0]["stop_report"] == ended.error
+    logged = capsys.readouterr().out  # (the trigger's log: structlog, to stdout here)
+    assert "stop requested (timeout): ranks have 10 s to checkpoint" in logged
+    assert "the run ended 1.2 s after the stop request" in logged
+    assert connection.calls == ["stop", "close"]
+
+
+def test_a_stop_still_going_at_the_bound_is_reported_as_such(
+    lifeline: type[FakeLifeline], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    monkeypatch.setattr(trigger_module, "STOP_WAIT_S", 0.3)
+    connection = FakeConnection(status("running"), [HANG], after_stop=[HANG])
+    lifeline.script = [connection]
+
+    events = events_of(TorchDistributorTrigger(make_record() | {"deadline": time.time() + 0.2}), timeout=5)
+
+    assert events[0]["stop_report"] == "the run was still stopping 0.3 s after the stop request"
+    assert connection.calls[-1] == "close"
 
 
 def test_a_run_that_ends_before_its_deadline_is_not_stopped(lifeline: type[FakeLifeline]) -> None:
@@ -672,10 +719,20 @@ def test_real_lifeline_deadline_stops_the_run(server: tuple[LifelineServer, Reco
     lifeline_server.state.set_running()
     trigger = TorchDistributorTrigger(served_record(lifeline_server) | {"deadline": time.time() + 1.0})
 
+    def stop_it() -> None:  # the supervisor's side of a stop: its line, then the run's end
+        wait_until(lambda: "stop (timeout)" in owners.seen, what="the supervisor to be told to stop")
+        lifeline_server.state.add_line("[torchdist] stop requested (timeout): ranks have 10 s to checkpoint")
+        lifeline_server.state.finish(
+            "failed", error="stopped (timeout); the ranks ended 0.4 s after the stop request"
+        )
+
+    stopper = threading.Thread(target=stop_it)
+    stopper.start()
     events = events_of(trigger)
+    stopper.join()
 
     assert [e["state"] for e in events] == ["timeout"]
-    wait_until(lambda: "stop (timeout)" in owners.seen, what="the supervisor to be told to stop")
+    assert events[0]["stop_report"] == "stopped (timeout); the ranks ended 0.4 s after the stop request"
 
 
 def test_cancelling_a_trigger_with_a_deadline_cancels_its_wait(lifeline: type[FakeLifeline]) -> None:
