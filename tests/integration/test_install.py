@@ -1,14 +1,18 @@
 """A new user's install, as the README gives it: plain pip, no constraints, no scripts/install.
 
-- In a fresh venv, ``pip install torch==2.13.0`` then ``pip install ".[spark]"`` gives a working
-  ``spark-submit`` (``doctor`` says ready) and runs ``dags/example_torchdist.py`` end to end.
-- ``pip install ".[spark]"`` into a venv that already has another torch, inside the range, keeps it:
-  a stand-in distribution named ``torch`` at 2.99.0, a version no pin could match, built here. pip
-  resolves the install for real and reports what it would install (``--dry-run --report``), which
-  is what this is about, without laying down Airflow and Spark a second time.
+One fresh venv, in two steps (one venv and one resolution's downloads for both: each step
+resolves the whole of Airflow and Spark from the index, about a minute of CPU):
 
-Each installs from a copy of this checkout's files (what git tracks or would track), so the
-checkout gets no ``build/``.
+1. ``pip install ".[spark]"`` into a venv that already has another torch, inside the range, keeps
+   it: a stand-in distribution named ``torch`` at 2.99.0, a version no pin could match, built here.
+   pip resolves the install for real and reports what it would install (``--dry-run --report``),
+   which is what this is about, without laying down Airflow and Spark twice.
+2. Then, as the README gives it, ``pip install torch==2.13.0`` then ``pip install ".[spark]"``
+   gives a working ``spark-submit`` (``doctor`` says ready) and runs ``dags/example_torchdist.py``
+   end to end.
+
+It installs from a copy of this checkout's files (what git tracks or would track), so the checkout
+gets no ``build/``.
 """
 
 from __future__ import annotations
@@ -102,12 +106,38 @@ def _stand_in_torch(dest: Path, version: str) -> Path:
     return wheel
 
 
-def test_one_command_install_runs_the_example_dag(tmp_path: Path, no_leftovers: None) -> None:
+def test_an_installed_torch_in_the_range_is_kept_then_the_one_command_install_runs_the_example_dag(
+    tmp_path: Path, no_leftovers: None
+) -> None:
     source = _source_copy(tmp_path / "src")
     python = _venv(tmp_path / "venv")
-    _pip_install(python, "torch==2.13.0")
-    _pip_install(python, ".[spark]", cwd=source)
+    _torch_in_the_range_is_kept(python, source, tmp_path)
 
+    _pip_install(python, "torch==2.13.0")  # (the stand-in goes: an explicit pin replaces it)
+    assert _installed(python, "torch").startswith("2.13.0")  # (+cpu here: the CPU build)
+    _pip_install(python, ".[spark]", cwd=source)
+    _example_dag_runs(python, source, tmp_path)
+
+
+def _torch_in_the_range_is_kept(python: Path, source: Path, tmp_path: Path) -> None:
+    # This machine's pip config caps torch at the builds on its disk; a user's pip has no such cap.
+    env = {**os.environ, "PIP_CONSTRAINT": os.devnull}
+    _pip_install(python, "--no-index", str(_stand_in_torch(tmp_path, "2.99.0")), env=env)
+    assert _installed(python, "torch") == "2.99.0"
+
+    report = tmp_path / "report.json"
+    _pip_install(python, "--dry-run", "--report", str(report), ".[spark]", cwd=source, env=env)
+
+    plan = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    assert "torch" not in plan, f"pip would replace the torch that satisfied the range: {plan.get('torch')}"
+    assert plan["airflow-provider-torchdist"] == "0.1.0"
+    assert "apache-airflow" in plan and plan["pyspark"] == plan["pyspark-client"], plan
+
+
+def _example_dag_runs(python: Path, source: Path, tmp_path: Path) -> None:
     bin_dir = python.parent
     assert (bin_dir / "spark-submit").exists(), "the [spark] extra gave no spark-submit"
     env = {
@@ -138,23 +168,3 @@ def test_one_command_install_runs_the_example_dag(tmp_path: Path, no_leftovers: 
     log = run.stdout + run.stderr
     assert run.returncode == 0 and "state=success" in log, log[-6000:]
     assert "RANK0_RESULT {'rank': 0, 'world_size': 2" in log, log[-6000:]
-
-
-def test_an_installed_torch_in_the_range_is_kept(tmp_path: Path) -> None:
-    source = _source_copy(tmp_path / "src")
-    python = _venv(tmp_path / "venv")
-    # This machine's pip config caps torch at the builds on its disk; a user's pip has no such cap.
-    env = {**os.environ, "PIP_CONSTRAINT": os.devnull}
-    _pip_install(python, "--no-index", str(_stand_in_torch(tmp_path, "2.99.0")), env=env)
-    assert _installed(python, "torch") == "2.99.0"
-
-    report = tmp_path / "report.json"
-    _pip_install(python, "--dry-run", "--report", str(report), ".[spark]", cwd=source, env=env)
-
-    plan = {
-        item["metadata"]["name"].lower(): item["metadata"]["version"]
-        for item in json.loads(report.read_text())["install"]
-    }
-    assert "torch" not in plan, f"pip would replace the torch that satisfied the range: {plan.get('torch')}"
-    assert plan["airflow-provider-torchdist"] == "0.1.0"
-    assert "apache-airflow" in plan and plan["pyspark"] == plan["pyspark-client"], plan
