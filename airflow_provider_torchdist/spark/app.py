@@ -193,7 +193,7 @@ def data_stage(
     """The barrier stage of a run with ``train_data``: one task per node over its rows."""
     from pyspark import SparkContext
 
-    from airflow_provider_torchdist.spark.data.data_shards import data_barrier_task, shared_data_task
+    from airflow_provider_torchdist.spark.data.node_shards import data_barrier_task, shared_data_task
 
     if isinstance(shards, Path):  # written on this machine, where every task runs
         stage = SparkContext.getOrCreate().parallelize(range(spec.num_nodes), spec.num_nodes).barrier()

@@ -37,6 +37,48 @@ def test_a_callable_trains_over_connect_and_rank_zero_returns_tensors(
     assert "spark-submit" not in text.replace("spark_submit", "")  # no spark-submit on this path
 
 
+def shard_ids() -> dict | None:
+    """Each rank's ``train_data`` ids, gathered to rank 0 (a train_data run's training function)."""
+    import torch.distributed as dist
+
+    from airflow_provider_torchdist import rank_shard
+
+    dist.init_process_group("gloo")
+    mine = rank_shard().column("id").to_pylist()
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return {"shards": every} if rank == 0 else None
+
+
+def ids_of(spark):
+    return spark.range(0, 999, 1, 4).where("id % 2 = 0")  # 500 even ids in 4 partitions
+
+
+@pytest.mark.parametrize("train_data", ["SELECT id FROM range(0, 999, 1, 4) WHERE id % 2 = 0", ids_of])
+def test_train_data_over_connect_deals_each_rank_its_shard(connect_conn: str, train_data) -> None:
+    """The query (or ``fn(spark)``) runs on the server's session; each node's rows come to its
+    barrier task through the server's shuffle, never through this process."""
+    hook = TorchDistributorHook(
+        conn_id=connect_conn,
+        num_processes=2,
+        nproc_per_node=1,
+        train_data=train_data,
+        train_data_shuffle_seed=7,
+    )
+    shards = hook.run(shard_ids)["shards"]
+    assert [len(s) for s in shards] == [250, 250]
+    assert sorted(shards[0] + shards[1]) == list(range(0, 999, 2))  # every row once, none twice
+    assert shards[0] != list(range(0, 500, 2))  # dealt in the seed's order, not the query's halves
+
+
+def test_bad_train_data_over_connect_fails_before_any_rank_starts(connect_conn: str) -> None:
+    hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2, train_data="db.missing_table")
+    with pytest.raises(TrainingFailed, match=r"train_data failed before training: .*TABLE_OR_VIEW_NOT_FOUND"):
+        hook.run(shard_ids)
+
+
 def test_two_ranks_per_task_over_connect(connect_conn: str) -> None:
     result = TorchDistributorHook(conn_id=connect_conn, num_processes=2, nproc_per_node=2).run(
         train_and_report, 1.0

@@ -38,6 +38,8 @@ from airflow_provider_torchdist.spark.connect.job import (
 )
 from airflow_provider_torchdist.spark.connect.node_task import connect_node_task
 from airflow_provider_torchdist.spark.connect.sessions import open_session
+from airflow_provider_torchdist.spark.data.data_shards import has_train_data, shuffled_shards
+from airflow_provider_torchdist.spark.data.shard_plan import TrainDataError
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
 from airflow_provider_torchdist.spark.driver.owner import read_owner_token, write_channel_address
 from airflow_provider_torchdist.spark.driver.rank_logs import rank_filter
@@ -167,7 +169,11 @@ def run_connect(spec: JobSpec, staging: Path, url: str, py_files: list[str] | No
             )
             if channel.rank_filter:
                 channel.say(channel.rank_filter.announcement())
-            results, error = run_job(spark, spec, staging, channel, cancel, conflicts, py_files or [])
+            try:
+                results, error = run_job(spark, spec, staging, channel, cancel, conflicts, py_files or [])
+            except TrainDataError as exc:  # before any rank started, with the server's error
+                channel.say(str(exc))
+                results, error = [], str(exc)
             emit("channel_close")
         emit("channel_closed")
     return Outcome(
@@ -201,10 +207,16 @@ def run_job(
     entry = b"" if spec.kind == "module" else (staging / spec.entry).read_bytes()
     shipped = [(Path(p).name, Path(p).read_bytes()) for p in py_files]
     check_payload_size(len(entry) + sum(len(data) for _, data in shipped), spark)
-    task = functools.partial(connect_node_task, spec, channel.address, str(staging), entry, shipped)
-    stage = spark.range(spec.num_nodes, numPartitions=spec.num_nodes)
+    data = None
+    if has_train_data(spec):  # node n's rows come to partition n, through the server's shuffle
+        stage, schema, sizes = shuffled_shards(spark, spec, staging, channel.say)
+        data = (schema, sizes)
+    else:
+        stage = spark.range(spec.num_nodes, numPartitions=spec.num_nodes)
+    task = functools.partial(connect_node_task, spec, channel.address, str(staging), entry, shipped, data)
     emit("barrier_stage_submitted")
-    watch = SlotWatch(channel, spec.num_nodes, spec.slot_timeout, cancel)
+    watch = SlotWatch(channel, spec.num_nodes, spec.slot_timeout, cancel, after_shuffle=data is not None)
+    spark.registerProgressHandler(watch.progress)
     # The server's application, for the log and the links.
     announce = OperationAnnouncer(channel, server_setting(spark, "spark.app.id", None), spark.session_id)
     spark.registerProgressHandler(announce.progress)
@@ -220,6 +232,7 @@ def run_job(
         error = error or (None if channel.failures else first_line(exc))
     finally:
         spark.removeProgressHandler(announce.progress)
+        spark.removeProgressHandler(watch.progress)
         announce.last_call()
     emit("barrier_stage_done")
     return results, error

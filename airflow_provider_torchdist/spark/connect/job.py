@@ -66,13 +66,35 @@ class SlotWatch:
     A Connect client cannot see the cluster's executors; what it can see is whether the job's
     tasks reported in. A barrier stage starts all its tasks at once or none, so none by then means
     the cluster cannot fit the stage now (Spark's own check would wait about 10 minutes).
+
+    With ``after_shuffle`` (a run with ``train_data``), the job's first stages compute and shuffle
+    the rows, however long that takes: the clock starts once the server's progress reports
+    (:meth:`progress`, a Connect progress handler) show every stage but the last done.
     """
 
-    def __init__(self, channel: RunChannel, needed: int, timeout: float | None, cancel: Any) -> None:
+    def __init__(
+        self,
+        channel: RunChannel,
+        needed: int,
+        timeout: float | None,
+        cancel: Any,
+        after_shuffle: bool = False,
+    ) -> None:
         self._channel, self._needed, self._timeout, self._cancel = channel, needed, timeout, cancel
         self._done = threading.Event()
+        self._clock = threading.Event()
+        if not after_shuffle:
+            self._clock.set()
         #: Set when the watch gave up: the run's error.
         self.error: str | None = None
+
+    def progress(self, *, stages: Any = None, **_: Any) -> None:
+        """A Connect progress report: the barrier stage (the job's last) is the only one not done."""
+        stages = list(stages or ())
+        if len(stages) >= 2 and not self._clock.is_set():
+            last = max(stage.stage_id for stage in stages)
+            if all(stage.done for stage in stages if stage.stage_id != last):
+                self._clock.set()
 
     def __enter__(self) -> SlotWatch:
         threading.Thread(target=self._watch, daemon=True, name="torchdist-slot-watch").start()
@@ -82,6 +104,9 @@ class SlotWatch:
         self._done.set()
 
     def _watch(self) -> None:
+        while not self._clock.wait(1.0):  # the rows are still being dealt to the nodes
+            if self._done.is_set():
+                return
         start = time.monotonic()
         next_say = start + 10
         while not self._done.wait(1.0):

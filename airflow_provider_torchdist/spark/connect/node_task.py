@@ -41,18 +41,23 @@ def connect_node_task(
     output_dir: str,
     entry: bytes,
     py_files: list[tuple[str, bytes]],
+    data: tuple[Any, tuple[int, ...]] | None,
     rows: Iterator[Any],
 ) -> Iterator[Any]:
     """One barrier task of the job: write the payload and the user's ``py_files`` (``(name,
     bytes)``) privately, put the latter on the ranks' ``sys.path``, then run the node as
-    :func:`.barrier.barrier_task` does."""
+    :func:`.barrier.barrier_task` does. With ``train_data``, ``data`` is the shard files' schema and
+    the rows per rank, and ``rows`` the node's blobs: the node writes its ranks' files first
+    (:func:`.node_shards.node_shards`)."""
     import pyarrow as pa
 
+    from airflow_provider_torchdist.spark.data.node_shards import node_shards
     from airflow_provider_torchdist.spark.node.barrier import barrier_task
 
-    # Read the task's input (its one row) to the end, or Spark will not reuse this Python worker.
-    for _ in rows:
-        pass
+    if data is None:
+        # Read the task's input (its one row) to the end, or Spark will not reuse this Python worker.
+        for _ in rows:
+            pass
     environ = dict(os.environ)  # a reused worker must not hand this run's settings to the next task
     import_path = list(sys.path)
 
@@ -66,12 +71,20 @@ def connect_node_task(
         sys.path[:0] = [directory, *entries] if len(entries) < len(shipped) else entries
         # Module mode ships no entry: the module comes from py_files or the executors' Python.
         path = directory if spec.kind == "module" else private_file(directory, spec.entry, entry)
-        # Rank 0 writes its value in place when this client's staging directory is on its machine
-        # too (a server beside this worker), else streams it over the channel.
-        for result in barrier_task(
-            spec, channel_address, output_dir, iter(()), entry_path=path, on_driver_lost=end_this_node
-        ):
-            yield pa.RecordBatch.from_pydict({"result": [result]})
+        with contextlib.ExitStack() as stack:
+            prepare = None if data is None else stack.enter_context(node_shards(spec, *data, rows))
+            # Rank 0 writes its value in place when this client's staging directory is on its
+            # machine too (a server beside this worker), else streams it over the channel.
+            for result in barrier_task(
+                spec,
+                channel_address,
+                output_dir,
+                iter(()),
+                prepare=prepare,
+                entry_path=path,
+                on_driver_lost=end_this_node,
+            ):
+                yield pa.RecordBatch.from_pydict({"result": [result]})
     finally:
         import shutil
 

@@ -29,7 +29,6 @@ every partition's count against the plan, and the nodes every rank's, and fail s
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,8 +39,7 @@ from airflow_provider_torchdist.spark.data.same_host_shards import same_host, sa
 from airflow_provider_torchdist.spark.data.shard_files import (
     BlobPacker,
     ShardWriter,
-    new_node_directory,
-    remove_directory,
+    write_blobs,
 )
 from airflow_provider_torchdist.spark.data.shard_plan import ShardPlan, TrainDataError, is_table_name
 from airflow_provider_torchdist.spark.driver.spark_context import first_line, stop_spark
@@ -94,8 +92,16 @@ def plan_shards(df: Any, spec: JobSpec, world_size: int) -> ShardPlan:
     except Exception as exc:
         raise TrainDataError(f"train_data failed before training: {first_line(exc)}") from None
     found = {int(r["p"]): int(r["count"]) for r in rows}
-    counts = tuple(found.get(p, 0) for p in range(df.rdd.getNumPartitions()))
+    counts = tuple(found.get(p, 0) for p in range(_partitions(df, found)))
     return ShardPlan(counts, world_size, spec.train_data_keep_remainder, spec.train_data_shuffle_seed)
+
+
+def _partitions(df: Any, counted: dict[int, int]) -> int:
+    """``df``'s partition count; over Spark Connect (no RDD API), up to the last one that holds rows
+    (:meth:`~.shard_plan.ShardPlan.partition` gives any later one none)."""
+    if type(df).__module__.startswith("pyspark.sql.connect"):
+        return max(counted, default=-1) + 1
+    return df.rdd.getNumPartitions()
 
 
 def blob_bytes(spark: Any) -> int:
@@ -117,7 +123,8 @@ def rank_blobs(df: Any, plan: ShardPlan, keys: list[int], nproc_per_node: int, s
         from pyspark import TaskContext
 
         partition = TaskContext.get().partitionId()
-        start = next_index = plan.offsets[partition]
+        start, expected = plan.partition(partition)
+        next_index = start
         packer = BlobPacker(size)
 
         def rows(blobs: Iterator[tuple[int, bytes]]) -> Iterator[Any]:
@@ -135,9 +142,9 @@ def rank_blobs(df: Any, plan: ShardPlan, keys: list[int], nproc_per_node: int, s
                 part = batch if len(present) == 1 else batch.filter(pa.array(ranks == rank))
                 yield from rows(packer.add(rank, part))
         yield from rows(packer.flush())
-        if next_index - start != plan.counts[partition]:
+        if next_index - start != expected:
             raise TrainDataError(
-                f"train_data is not deterministic: partition {partition} had {plan.counts[partition]} rows "
+                f"train_data is not deterministic: partition {partition} had {expected} rows "
                 f"when counted and {next_index - start} when read again. Make the query return the same "
                 "rows each time (no rand() without a seed, no source that changes while the run starts)."
             )
@@ -167,74 +174,6 @@ def arrow_schema(df: Any) -> Any:
     from pyspark.sql.pandas.types import to_arrow_schema
 
     return to_arrow_schema(df.schema)
-
-
-def write_blobs(rows: Iterator[Any], writer: ShardWriter) -> None:
-    """Write the blobs of ``rows`` (``BLOB_SCHEMA`` record batches) into their ranks' files."""
-    for batch in rows:
-        for rank, blob in zip(batch.column("rank").to_pylist(), batch.column("ipc").to_pylist(), strict=True):
-            writer.add_ipc(rank, blob)
-
-
-def data_barrier_task(
-    spec: JobSpec,
-    channel_address: tuple[str, int],
-    driver_output_dir: str | None,
-    schema: Any,
-    sizes: tuple[int, ...],
-    batches: Iterator[Any],
-) -> Iterator[Any]:
-    """The barrier task of a run with ``train_data`` (``mapInArrow(..., barrier=True)`` over the
-    node's blobs): write its ranks' files, then run the node as :func:`.barrier.barrier_task` does.
-
-    A shard that cannot be written (a full disk) is this node's failure, reported with its host.
-    """
-    import pyarrow as pa
-    from pyspark import BarrierTaskContext
-
-    from airflow_provider_torchdist.spark.node.barrier import barrier_task
-
-    directory = new_node_directory()
-    node = BarrierTaskContext.get().partitionId()
-    ranks = range(node * spec.nproc_per_node, (node + 1) * spec.nproc_per_node)
-
-    def prepare() -> None:
-        try:
-            writer = ShardWriter(directory, ranks, schema, {r: sizes[r] for r in ranks})
-            try:
-                write_blobs(batches, writer)
-            finally:
-                writer.close()  # writes what it still holds: may be what fills the disk
-        except OSError as exc:
-            raise OSError(
-                exc.errno, f"cannot write this node's train_data shard into {directory}: {exc}"
-            ) from exc
-        writer.check_complete()
-        os.environ[DATA_DIR_ENV] = directory
-
-    try:
-        for result in barrier_task(spec, channel_address, driver_output_dir, iter(()), prepare=prepare):
-            yield pa.RecordBatch.from_pydict({"result": [result]})
-    finally:
-        # A reused Python worker must not hand the next task this run's shards.
-        os.environ.pop(DATA_DIR_ENV, None)
-        remove_directory(directory)
-
-
-def shared_data_task(
-    spec: JobSpec, channel_address: tuple[str, int], driver_output_dir: str, directory: str, _: Iterator[int]
-) -> Iterator[str]:
-    """The barrier task of a run whose rows the tasks already wrote into ``directory``, on this
-    machine (:func:`on_shared_disk`): the node's ranks read them there."""
-    from airflow_provider_torchdist.spark.node.barrier import barrier_task
-
-    def prepare() -> None:
-        os.environ[DATA_DIR_ENV] = directory
-
-    try:
-        yield from barrier_task(spec, channel_address, driver_output_dir, iter(()), prepare=prepare)
-    finally:
-        os.environ.pop(DATA_DIR_ENV, None)  # a reused Python worker must not hand it to the next task
 
 
 def has_train_data(spec: JobSpec) -> bool:
@@ -282,6 +221,13 @@ def distributed_shards(
     spark = SparkSession.builder.getOrCreate()  # on ``sc``, the driver's context
     if shares_disk(sc):
         return on_shared_disk(spark, spec, staging, say)
+    return shuffled_shards(spark, spec, staging, say)
+
+
+def shuffled_shards(spark: Any, spec: JobSpec, staging: Path, say: Any) -> tuple[Any, Any, tuple[int, ...]]:
+    """The DataFrame whose partition n holds node n's blobs (Spark's shuffle brings them there),
+    the shard files' schema, and the rows per rank: on the driver's session, or over Spark Connect
+    on the server's (DataFrame calls only)."""
     df = build_dataframe(spark, spec, staging)
     plan = plan_shards(df, spec, spec.num_processes)
     say(plan.describe())

@@ -167,3 +167,10 @@ def new_node_directory() -> str:
 
 def remove_directory(directory: str | Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def write_blobs(rows: Iterator[Any], writer: ShardWriter) -> None:
+    """Write the blobs of ``rows`` (record batches of ``rank`` and ``ipc``: ``data_shards.BLOB_SCHEMA``) into their ranks' files."""
+    for batch in rows:
+        for rank, blob in zip(batch.column("rank").to_pylist(), batch.column("ipc").to_pylist(), strict=True):
+            writer.add_ipc(rank, blob)

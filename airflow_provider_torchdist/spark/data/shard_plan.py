@@ -73,6 +73,14 @@ class ShardPlan:
             if math.gcd(a, n) == 1:
                 return a, rng.randrange(n)
 
+    def partition(self, index: int) -> tuple[int, int]:
+        """``(offset, rows)`` of partition ``index``. A partition past the counted ones has none: a
+        Spark Connect client cannot ask for a DataFrame's partition count, so it counts up to the
+        last partition that holds rows."""
+        if index < len(self.counts):
+            return self.offsets[index], self.counts[index]
+        return self.total, 0
+
     def ranks_of(self, indexes: Any) -> Any:
         """The rank of each global index (a numpy int64 array); -1 for a dropped row."""
         import numpy as np

@@ -44,7 +44,12 @@ def stop_spark(sc: Any, fast: bool = True) -> None:
 
 
 def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
+    """The line of ``exc``'s text that says what went wrong: Spark's error condition
+    (``[TABLE_OR_VIEW_NOT_FOUND] The table ...``, as over Spark Connect, where the JVM's stack trace
+    follows), else the first line naming an exception or error."""
+    text = str(exc).strip().split("JVM stacktrace:", 1)[0].strip()
+    if text.startswith("["):
+        return text.splitlines()[0].strip()[:2000]
     for line in text.splitlines():
         if "Exception" in line or "Error" in line:
             return line.strip()[:2000]

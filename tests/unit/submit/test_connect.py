@@ -68,9 +68,8 @@ def _plan(hook: TorchDistributorHook):
     [
         ({"local_mode": True}, "local_mode=True cannot run over the Spark Connect connection 'sc'"),
         ({"num_processes": "1:2"}, "an elastic num_processes cannot run over"),
-        ({"train_data": "SELECT 1 AS x"}, "train_data cannot run over"),
     ],
-    ids=["local-mode", "elastic", "train_data"],
+    ids=["local-mode", "elastic"],
 )
 def test_what_connect_does_not_do_is_refused_before_anything_starts(
     monkeypatch, listening, settings, message
@@ -82,6 +81,11 @@ def test_what_connect_does_not_do_is_refused_before_anything_starts(
         hook = TorchDistributorHook(conn_id="sc", num_processes=settings["num_processes"])
     with pytest.raises(InvalidTrainingConfig, match=message):
         check_connect_run(hook.spec, hook.target)
+
+
+def test_train_data_is_taken_over_connect(monkeypatch, listening) -> None:
+    hook = _connect_hook(monkeypatch, listening, train_data="SELECT 1 AS x")
+    check_connect_run(hook.spec, hook.target)  # the server's session runs the query: no refusal
 
 
 def test_an_unreachable_server_is_said_with_its_address_and_no_token(monkeypatch) -> None:
@@ -207,6 +211,26 @@ def test_the_slot_watch_cancels_a_stage_whose_tasks_did_not_all_start_in_time() 
             time.sleep(0.05)
     assert cancelled == [True]
     assert "needs 2 task slot(s) at once, and 1 of its tasks started within slot_timeout=1s" in watch.error
+
+
+def test_with_train_data_the_slot_watch_starts_its_clock_once_the_shuffle_stages_are_done() -> None:
+    from types import SimpleNamespace as Stage
+
+    channel, cancelled = _Channel(), []
+    watch = SlotWatch(channel, 2, 1.0, lambda: cancelled.append(True), after_shuffle=True)
+    with watch:
+        time.sleep(2.5)  # past slot_timeout, but the rows are still being dealt: no verdict
+        watch.progress(stages=[Stage(stage_id=0, done=False, num_tasks=4)], inflight_tasks=4)
+        watch.progress(stages=[Stage(stage_id=0, done=False), Stage(stage_id=1, done=False)])
+        time.sleep(1.5)
+        assert cancelled == []
+        # The shuffle's stage is done and the barrier stage waits for its slots: the clock runs.
+        watch.progress(stages=[Stage(stage_id=0, done=True), Stage(stage_id=1, done=False)])
+        deadline = time.monotonic() + 10
+        while not cancelled and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert cancelled == [True]
+    assert "needs 2 task slot(s) at once" in watch.error
 
 
 def test_the_slot_watch_leaves_a_stage_alone_once_every_task_started() -> None:

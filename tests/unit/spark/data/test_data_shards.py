@@ -35,6 +35,14 @@ def test_the_shards_do_not_depend_on_the_partition_count() -> None:
     assert len({tuple(v) for v in shards.values()}) == 1
 
 
+def test_a_partition_past_the_counted_ones_has_no_rows() -> None:
+    """Over Spark Connect the counts stop at the last partition that holds rows."""
+    plan = ShardPlan((3, 0, 5), world_size=2)
+    assert plan.partition(0) == (0, 3)
+    assert plan.partition(2) == (3, 5)
+    assert plan.partition(3) == (8, 0) and plan.partition(9) == (8, 0)
+
+
 def test_the_same_seed_deals_the_same_shards_and_another_seed_others() -> None:
     first, again, other = (_ranks(ShardPlan((1000,), 2, seed=s)) for s in (5, 5, 6))
     assert (first == again).all()

@@ -193,17 +193,18 @@ def test_an_elastic_rank_that_returned_for_a_decommissioned_node_waits_for_its_r
         """
         stop.install("SIGTERM")
         stop.REGROUP_WAIT_S = 0.3
+        asked = time.monotonic()
         stop.request_stop("node decommissioned", 0.2, "SIGTERM")
         time.sleep(0.1)
-        started = time.monotonic()
         try:
             stop.wait_for_regroup()
         except RuntimeError as exc:
-            print("raised", time.monotonic() - started >= 0.35, str(exc)[:60])
+            print("raised", time.monotonic() - asked >= 0.5, str(exc)[:60])
         """
     )
     assert done.returncode == 0, done.stderr
-    # What was left of the grace period (about 0.1 s), then REGROUP_WAIT_S.
+    # The grace period from the stop request (0.2 s), then REGROUP_WAIT_S: a bound from the request
+    # itself, which a loaded machine (a late wake from the sleep) cannot undercut.
     assert done.stdout.strip() == "raised True this rank checkpointed for a decommissioned node and waited"
 
 
