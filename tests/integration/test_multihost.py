@@ -296,12 +296,24 @@ def connect_on_cluster(
         server.stop()
 
 
-def test_over_spark_connect_ranks_on_two_test_hosts_rendezvous_and_map_their_tasks_gpus(
-    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+def test_over_spark_connect_ranks_on_two_test_hosts_rendezvous_map_their_tasks_gpus_and_get_train_data(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """The hook is only the Connect server's client, over 127.0.0.1, and the server's settings give
-    each task its resources: two runs on one server (a server holds the cluster's executors for as
+    each task its resources; a ``train_data`` query's rows reach the ranks on both hosts through
+    the server's shuffle. Three runs on one server (a server holds the cluster's executors for as
     long as it is up, so the runs share it rather than start one each)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = 300_000
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, ids in enumerate(np.array_split(np.arange(rows, dtype=np.int64), 3)):
+        columns = {"id": ids, "f0": np.ones(ids.size, dtype=np.float32)}
+        pq.write_table(pa.table(columns), data / f"part-{i}.parquet")
+
     gpus = {
         "spark.executor.resource.gpu.amount": "2",
         "spark.task.resource.gpu.amount": "2",
@@ -319,6 +331,17 @@ def test_over_spark_connect_ranks_on_two_test_hosts_rendezvous_and_map_their_tas
 
         hook = TorchDistributorHook(conn_id=conn_id, num_processes=4, nproc_per_node=2, use_gpu=True)
         ranks = hook.run(where_ranks_ran)
+
+        query = f"SELECT * FROM parquet.`{data}` WHERE id % 3 != 1"
+        shards = TorchDistributorHook(conn_id=conn_id, num_processes=2, train_data=query).run(count_my_rows)
     for r in ranks:
         assert sorted(r["cuda_visible_devices"].split(",")) == ["0", "1"]  # the task's two fake GPUs
     assert sorted({r["address"] for r in ranks}) == sorted(cluster.worker_hosts)
+
+    kept = np.arange(rows, dtype=np.int64)
+    kept = kept[kept % 3 != 1]
+    assert sorted(r["address"] for r in shards) == sorted(cluster.worker_hosts)
+    assert [r["rows"] for r in shards] == [kept.size // 2] * 2 and all(
+        r["unique"] == r["rows"] for r in shards
+    )
+    assert sum(r["id_sum"] for r in shards) == int(kept.sum())  # every kept id once
