@@ -192,16 +192,26 @@ def start_cluster(
 
 
 def restart_lost_workers(info: ClusterInfo, timeout: float = 90.0, daemon_memory: str = "256m") -> list[int]:
-    """Start again every Worker whose daemon is gone (a test killed it), on the same host; wait until
-    all are registered. Whatever was left in a lost Worker's namespace is SIGKILLed first.
+    """Start again every Worker whose daemon is gone (a test killed it), or that the Master does not
+    list as ALIVE (a Worker still dying of its SIGKILL, or one the Master gave up on while it was
+    frozen: either would leave the next run one host short), on the same host; wait until all are
+    registered. Whatever was left in a lost Worker's namespace is SIGKILLed first.
 
     Returns the indexes of the Workers started again.
     """
-    lost = [w for w in info.workers if not is_alive(w.pid)]
+    status = fetch_master_json(info.master_ui_url)
+    alive = {w.get("host") for w in (status or {}).get("workers", []) if w.get("state") == "ALIVE"}
+    lost = [w for w in info.workers if not is_alive(w.pid) or (status is not None and w.host not in alive)]
     # Taken before any restart: the ids the lost Workers registered under, which must not count.
     replaced = registered_worker_ids(info, {w.host for w in lost}) if lost else frozenset()
     restarted = []
     for w in lost:
+        if is_spark_daemon(w.pid):  # still there, not serving: it goes first (never a recycled PID)
+            with contextlib.suppress(OSError):
+                os.kill(w.pid, 9)
+        deadline = time.monotonic() + 15
+        while is_alive(w.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
         if w.netns:
             for pid in netns_pids(w.netns):
                 with contextlib.suppress(OSError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -162,11 +163,15 @@ def test_job_too_big_for_the_cluster_fails_fast(
     assert hook.submission is None
     assert time.monotonic() - started < 5
 
-    # Without it, the driver sees too few executor slots and fails well inside 30 s, not Spark's 10 min.
+    # Without it, the driver sees too few executor slots and fails after its settle period (20 s of
+    # waiting for executors, by its own clock: the JVM's start before it is the machine's load), not
+    # after Spark's 10 min.
     started = time.monotonic()
-    with pytest.raises(TrainingFailed, match=r"needs 6 task slot\(s\) at once but the cluster has 4"):
+    with pytest.raises(TrainingFailed, match=r"needs 6 task slot\(s\) at once but the cluster has 4") as info:
         cluster_hook(monkeypatch, cluster, num_processes=6, web_ui=False).run(where_ranks_ran)
-    assert time.monotonic() - started < 30
+    waited = re.search(r"waited (\d+)s for executors", str(info.value))
+    assert waited and int(waited[1]) <= 30, str(info.value)
+    assert time.monotonic() - started < 300
 
 
 def tag(value: str) -> dict:
