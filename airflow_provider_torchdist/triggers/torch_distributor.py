@@ -72,6 +72,8 @@ MAX_WAIT_S = 10 * 365 * 86400.0
 #: The most lines of a stopping run that go into the trigger's log (a chatty training's last ones
 #: are not what a user needs from a stop).
 MAX_STOP_LINES = 50
+#: The most of a stopped run's error that goes into the timeout event (and the try's error).
+MAX_REPORT_CHARS = 2000
 #: One connection attempt (TCP connect and the mutual authentication).
 CONNECT_TIMEOUT_S = 10.0
 #: What a failed connection attempt raises when nothing answers (yet) at the supervisor's address:
@@ -304,8 +306,8 @@ class TorchDistributorTrigger(BaseTrigger):
                     if isinstance(event, LineEvent) and shown < MAX_STOP_LINES:
                         shown += 1
                         self.log.info("Run %s: %s", run_id, event.text)
-                    elif isinstance(event, DoneEvent):
-                        report = event.status.error or f"the run {event.status.state}"
+                    elif isinstance(event, DoneEvent):  # its error: bounded, it goes into the event
+                        report = (event.status.error or f"the run {event.status.state}")[:MAX_REPORT_CHARS]
                         self.log.info("Run %s after the stop: %s", run_id, report)
                         return report
         except TimeoutError:

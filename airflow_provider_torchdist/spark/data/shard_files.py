@@ -170,7 +170,8 @@ def remove_directory(directory: str | Path) -> None:
 
 
 def write_blobs(rows: Iterator[Any], writer: ShardWriter) -> None:
-    """Write the blobs of ``rows`` (record batches of ``rank`` and ``ipc``: ``data_shards.BLOB_SCHEMA``) into their ranks' files."""
+    """Write the blobs of ``rows`` into their ranks' files: record batches with a ``rank`` and an
+    ``ipc`` column (``data_shards.BLOB_SCHEMA``)."""
     for batch in rows:
         for rank, blob in zip(batch.column("rank").to_pylist(), batch.column("ipc").to_pylist(), strict=True):
             writer.add_ipc(rank, blob)

@@ -675,6 +675,16 @@ def test_a_deadline_stop_is_followed_into_the_log_and_the_event_says_how_it_went
     assert connection.calls == ["stop", "close"]
 
 
+def test_a_stopped_runs_long_error_is_cut_in_the_event(lifeline: type[FakeLifeline]) -> None:
+    import time
+
+    ended = status("failed", error="x" * 10_000)
+    connection = FakeConnection(status("running"), [HANG], after_stop=[DoneEvent(ended)])
+    lifeline.script = [connection]
+    events = events_of(TorchDistributorTrigger(make_record() | {"deadline": time.time() + 0.2}))
+    assert events[0]["stop_report"] == "x" * trigger_module.MAX_REPORT_CHARS
+
+
 def test_a_stop_still_going_at_the_bound_is_reported_as_such(
     lifeline: type[FakeLifeline], monkeypatch: pytest.MonkeyPatch
 ) -> None:
