@@ -35,6 +35,8 @@ def chaos_cluster() -> Iterator[ClusterInfo]:
     assert not leftover_network(PREFIX)
 
 
+# Nine faulted runs, one after another: about 8 min on a quiet 2-core machine (the 900 s default is for one run).
+@pytest.mark.timeout(1800)
 def test_one_run_of_each_fault_holds_every_invariant(
     deployment: Deployment, chaos_cluster: ClusterInfo, tmp_path: Path
 ) -> None:

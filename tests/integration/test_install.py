@@ -106,6 +106,8 @@ def _stand_in_torch(dest: Path, version: str) -> Path:
     return wheel
 
 
+# Two resolutions, an install and an example run; each step has its own bound (INSTALL_TIMEOUT, ...).
+@pytest.mark.timeout(1800)
 def test_an_installed_torch_in_the_range_is_kept_then_the_one_command_install_runs_the_example_dag(
     tmp_path: Path, no_leftovers: None
 ) -> None:

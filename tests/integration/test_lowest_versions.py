@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 1200
 
 
+# An install, the unit tests and an embedded run in another environment; its own bound is TIMEOUT_S.
+@pytest.mark.timeout(1500)
 def test_the_lowest_supported_versions_pass_the_unit_tests_and_the_example_run(tmp_path: Path) -> None:
     # The script's own environment, as a shell would give it: none of this pytest's (its xdist
     # worker's name, the session's AIRFLOW_HOME), which would steer the nested pytest and Airflow.
