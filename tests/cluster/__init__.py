@@ -37,7 +37,7 @@ from tests.cluster.cluster import (
     start_cluster,
     stop_cluster,
 )
-from tests.cluster.daemons import cluster_processes
+from tests.cluster.daemons import cluster_processes, wait_idle
 from tests.cluster.netns import check_netns_connectivity, leftover_network
 from tests.cluster.state import ClusterError, ClusterInfo, WorkerInfo
 
@@ -53,4 +53,5 @@ __all__ = [
     "spark_cluster",
     "start_cluster",
     "stop_cluster",
+    "wait_idle",
 ]

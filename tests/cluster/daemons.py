@@ -209,6 +209,36 @@ def wait_registered(
         time.sleep(0.1)
 
 
+def wait_idle(info: ClusterInfo, timeout: float = 60.0) -> None:
+    """Wait until the Master runs no application and lists every Worker ALIVE with all its cores
+    free: what an earlier run held (an application still being removed, an executor still being
+    killed) is back, so the next run finds the slots the test counts on. A run that finds a slot
+    held waits for it, and one whose connection names the web UI waits as long as it takes.
+
+    Raises :class:`ClusterError` with the Master's view after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = fetch_master_json(info.master_ui_url)
+        if status is not None:
+            alive = [w for w in status.get("workers", []) if w.get("state") == "ALIVE"]
+            busy = [w for w in alive if w.get("coresfree") != w.get("cores")]
+            whole = sorted(w.get("host") for w in alive) == sorted(info.worker_hosts)
+            if whole and not busy and not status.get("activeapps"):
+                return
+        if time.monotonic() > deadline:
+            view = status and {
+                "workers": [
+                    {k: w.get(k) for k in ("host", "state", "cores", "coresfree")}
+                    for w in status.get("workers", [])
+                ],
+                "activeapps": [
+                    (a.get("id"), a.get("name"), a.get("state")) for a in status.get("activeapps", [])
+                ],
+            }
+            raise ClusterError(f"the cluster at {info.master_url} was not idle after {timeout:.0f} s: {view}")
+        time.sleep(0.2)
+
+
 def registered_worker_ids(info: ClusterInfo, hosts: set[str]) -> frozenset[str]:
     """The ids the Master lists (in any state) for Workers on ``hosts``."""
     status = fetch_master_json(info.master_ui_url) or {}

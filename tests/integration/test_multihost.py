@@ -16,7 +16,7 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, TrainingFailed
-from tests.cluster import ClusterInfo, leftover_network, start_cluster, stop_cluster
+from tests.cluster import ClusterInfo, leftover_network, start_cluster, stop_cluster, wait_idle
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_leftovers")]
 
@@ -47,6 +47,13 @@ def cluster() -> Iterator[ClusterInfo]:
     finally:
         stop_cluster(info)
     assert not leftover_network("tdmh")
+
+
+@pytest.fixture(autouse=True)
+def _idle_cluster(cluster: ClusterInfo) -> None:
+    """Each test starts on an idle cluster: the earlier test's applications have let go of every core
+    (a run whose connection names the web UI would wait for a held slot as long as it takes)."""
+    wait_idle(cluster)
 
 
 def connect(monkeypatch: pytest.MonkeyPatch, info: ClusterInfo, web_ui: bool = True) -> str:

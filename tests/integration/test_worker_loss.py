@@ -28,10 +28,12 @@ from airflow_provider_torchdist.supervision.processes import command_line, is_al
 from tests.cluster import (
     ClusterInfo,
     WorkerInfo,
+    cluster_status,
     leftover_network,
     restart_lost_workers,
     start_cluster,
     stop_cluster,
+    wait_idle,
 )
 from tests.cluster.netns import netns_pids
 
@@ -73,8 +75,10 @@ def two_hosts() -> Iterator[ClusterInfo]:
 
 @pytest.fixture
 def cluster(two_hosts: ClusterInfo) -> ClusterInfo:
-    """The module's cluster with both workers alive: each test loses one, and the next starts it again."""
+    """The module's cluster with both workers alive and idle: each test loses one, and the next starts
+    it again; the earlier run's application and executors are gone before the next run counts slots."""
     restart_lost_workers(two_hosts)
+    wait_idle(two_hosts)
     return two_hosts
 
 
@@ -335,7 +339,15 @@ def test_elastic_range_starts_with_the_free_slots(
         checkpoint_dir=str(tmp_path / "ckpt"),
         web_ui=True,
     )
-    value = hook.run(train_elastic, str(tmp_path), 20)
+    # In a thread: a cluster that fits MIN makes the driver wait for busy slots as long as it takes.
+    runner, result, errors = _run_in_thread(hook, str(tmp_path), 20)
+    runner.join(240)
+    if runner.is_alive():
+        hook.on_kill()
+        runner.join(30)
+        pytest.fail(f"the run did not finish within 240 s: {cluster_status(cluster)}")
+    assert not errors, errors
+    value = result[0]
     assert value == {"rank": 0, "world_size": 2, "resumed_from": 0}
     assert [(e["world_size"], e["reason"]) for e in hook.world_sizes] == [(2, "start")]
 

@@ -83,6 +83,8 @@ class SlotWatch:
         self._channel, self._needed, self._timeout, self._cancel = channel, needed, timeout, cancel
         self._done = threading.Event()
         self._clock = threading.Event()
+        #: Stages any report showed done: a later job lists a stage it reuses as not done (skipped).
+        self._stages_done: set[int] = set()
         if not after_shuffle:
             self._clock.set()
         #: Set when the watch gave up: the run's error.
@@ -91,9 +93,12 @@ class SlotWatch:
     def progress(self, *, stages: Any = None, **_: Any) -> None:
         """A Connect progress report: the barrier stage (the job's last) is the only one not done."""
         stages = list(stages or ())
+        self._stages_done.update(stage.stage_id for stage in stages if stage.done)
         if len(stages) >= 2 and not self._clock.is_set():
+            # Adaptive execution runs the shuffle as a job of its own; the barrier job that follows
+            # lists the shuffle's stage again, never to run (skipped), so never reported done there.
             last = max(stage.stage_id for stage in stages)
-            if all(stage.done for stage in stages if stage.stage_id != last):
+            if all(stage.stage_id in self._stages_done for stage in stages if stage.stage_id != last):
                 self._clock.set()
 
     def __enter__(self) -> SlotWatch:

@@ -233,6 +233,23 @@ def test_with_train_data_the_slot_watch_starts_its_clock_once_the_shuffle_stages
     assert "needs 2 task slot(s) at once" in watch.error
 
 
+def test_the_slot_watch_clock_starts_when_adaptive_execution_ran_the_shuffle_as_a_job_of_its_own() -> None:
+    """The shuffle's job reports its stage done; the barrier job then lists that stage again, skipped,
+    and no report ever shows it done there: it counts as done all the same."""
+    from types import SimpleNamespace as Stage
+
+    channel, cancelled = _Channel(), []
+    watch = SlotWatch(channel, 2, 1.0, lambda: cancelled.append(True), after_shuffle=True)
+    with watch:
+        watch.progress(stages=[Stage(stage_id=3, done=True)])  # the shuffle's own job
+        watch.progress(stages=[Stage(stage_id=3, done=False), Stage(stage_id=4, done=False)])
+        deadline = time.monotonic() + 10
+        while not cancelled and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert cancelled == [True]
+    assert "needs 2 task slot(s) at once" in watch.error
+
+
 def test_the_slot_watch_leaves_a_stage_alone_once_every_task_started() -> None:
     channel, cancelled = _Channel(), []
     channel.started_nodes.update({0, 1})
