@@ -37,7 +37,7 @@ from tests.cluster.cluster import (
     start_cluster,
     stop_cluster,
 )
-from tests.cluster.daemons import cluster_processes, wait_idle
+from tests.cluster.daemons import cluster_logs, cluster_processes, wait_idle
 from tests.cluster.netns import check_netns_connectivity, leftover_network
 from tests.cluster.state import ClusterError, ClusterInfo, WorkerInfo
 
@@ -47,6 +47,7 @@ __all__ = [
     "ClusterInfo",
     "WorkerInfo",
     "check_netns_connectivity",
+    "cluster_logs",
     "cluster_processes",
     "cluster_status",
     "leftover_network",

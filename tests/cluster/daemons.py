@@ -209,6 +209,18 @@ def wait_registered(
         time.sleep(0.1)
 
 
+def cluster_logs(info: ClusterInfo, lines: int = 12) -> str:
+    """The ends of the Master's and each Worker's log, and of the newest executor's stderr on each
+    Worker: what a test failing on the cluster's state shows."""
+    parts = [f"--- master ({info.master_log}):\n{log_tail(info.master_log, lines)}"]
+    for w in info.workers:
+        parts.append(f"--- worker {w.index} on {w.host} ({w.log}):\n{log_tail(w.log, lines)}")
+        executors = sorted(Path(w.work_dir).glob("app-*/*/stderr"), key=lambda f: f.stat().st_mtime)
+        if executors:
+            parts.append(f"--- newest executor stderr ({executors[-1]}):\n{log_tail(executors[-1], lines)}")
+    return "\n".join(parts)
+
+
 def wait_idle(info: ClusterInfo, timeout: float = 60.0) -> None:
     """Wait until the Master runs no application and lists every Worker ALIVE with all its cores
     free: what an earlier run held (an application still being removed, an executor still being
@@ -235,7 +247,9 @@ def wait_idle(info: ClusterInfo, timeout: float = 60.0) -> None:
                     (a.get("id"), a.get("name"), a.get("state")) for a in status.get("activeapps", [])
                 ],
             }
-            raise ClusterError(f"the cluster at {info.master_url} was not idle after {timeout:.0f} s: {view}")
+            raise ClusterError(
+                f"the cluster at {info.master_url} was not idle after {timeout:.0f} s: {view}\n{cluster_logs(info)}"
+            )
         time.sleep(0.2)
 
 

@@ -28,6 +28,7 @@ from airflow_provider_torchdist.supervision.processes import command_line, is_al
 from tests.cluster import (
     ClusterInfo,
     WorkerInfo,
+    cluster_logs,
     cluster_status,
     leftover_network,
     restart_lost_workers,
@@ -345,7 +346,9 @@ def test_elastic_range_starts_with_the_free_slots(
     if runner.is_alive():
         hook.on_kill()
         runner.join(30)
-        pytest.fail(f"the run did not finish within 240 s: {cluster_status(cluster)}")
+        pytest.fail(
+            f"the run did not finish within 240 s: {cluster_status(cluster)}\n{cluster_logs(cluster, 25)}"
+        )
     assert not errors, errors
     value = result[0]
     assert value == {"rank": 0, "world_size": 2, "resumed_from": 0}
