@@ -18,6 +18,8 @@ import torch
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
+from tests.integration.connect_server import ConnectServer
+from tests.integration.run_dags import run_in_fresh_airflow
 from tests.integration.test_training import SCRIPT, fail_on_rank_one, lightning_train, train_and_report
 
 pytestmark = pytest.mark.integration
@@ -325,3 +327,35 @@ def test_a_shared_session_the_server_closed_is_replaced(
     ranks = TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(workers_and_leak)
     assert len(ranks) == 2
     assert shared_session_id(url, session_cache()) != closed
+
+
+DAGS = Path(__file__).parents[2] / "dags"
+#: Every example DAG that trains, each under its own key (ui_triggered_training with its defaults).
+EXAMPLE_DAGS = ["example_torchdist", "retrain_pipeline", "script_training", "ui_triggered_training"]
+
+
+def test_the_example_dags_train_over_connect_switched_by_the_connection_alone(
+    connect_server: ConnectServer, tmp_path: Path
+) -> None:
+    """dags/ as a user has it, with nothing changed but ``spark_default``: a ``spark_connect``
+    connection to the server. Every example trains there, in one Airflow process on SQLite."""
+    home = tmp_path / "home"
+    connection = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": connect_server.port}
+    env = {
+        "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps(connection),
+        "TORCHDIST_DATA_DIR": str(home / "data"),
+        "TORCHDIST_MODELS_DIR": str(home / "models"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }
+    states, output = run_in_fresh_airflow(home, DAGS, EXAMPLE_DAGS, env=env)
+    assert {key: run["state"] for key, run in states.items()} == dict.fromkeys(EXAMPLE_DAGS, "success"), (
+        output[-5000:]
+    )
+    # Each training task went over Connect (the Connect driver's first line), none through spark-submit.
+    assert output.count("distributed mode over Spark Connect: 2 Spark task(s)") == len(EXAMPLE_DAGS), output[
+        -5000:
+    ]
+    assert "Spark-Submit cmd" not in output
+    assert (home / "models" / "current.pt").exists()  # retrain_pipeline promoted its first model
+    for rank in (0, 1):
+        assert f"script rank {rank}/2 done: weight" in output
