@@ -31,6 +31,7 @@ from airflow_provider_torchdist.spark.driver.executor_loss import (
     lost_executor_message,
     wait_for_loss,
 )
+from airflow_provider_torchdist.spark.driver.finish import finish, finished_code
 from airflow_provider_torchdist.spark.driver.owner import read_owner_token, write_channel_address
 from airflow_provider_torchdist.spark.driver.rank_logs import rank_filter
 from airflow_provider_torchdist.spark.driver.spark_context import (
@@ -124,7 +125,7 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
             emit("channel_close")
         emit("channel_closed")
         failures = channel.failures
-        return Outcome(
+        outcome = Outcome(
             ok=not failures and error is None,
             failures=failures,
             error=error,
@@ -132,6 +133,8 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
             metrics=channel.metrics,
             world_sizes=world_sizes,
         )
+        finish(outcome, staging)  # before the SparkContext stops (see finish)
+        return outcome
 
 
 def barrier_stage(
@@ -256,25 +259,11 @@ def main(argv: list[str]) -> int:
 
             outcome = run_elastic(spec, staging) if spec.elastic else run_distributed(spec, staging)
     except Exception as exc:
+        if (code := finished_code(staging)) is not None:  # Spark failed to stop once the outcome was out
+            print(f"[torchdist] stopping Spark after the run failed: {type(exc).__name__}: {exc}", flush=True)
+            return code
         outcome = Outcome(ok=False, error=f"{type(exc).__name__}: {exc}")
     return finish(outcome, staging)
-
-
-def finish(outcome: Outcome, staging: Path) -> int:
-    """Write the outcome for the hook, say it, and return the exit code."""
-    try:
-        outcome.write(staging)
-    except OSError as exc:  # a full staging disk: say it where the task log shows it
-        print(f"[torchdist] the run's outcome could not be written to {staging}: {exc}", flush=True)
-        return 1
-    if outcome.ok:
-        print("[torchdist] training finished on all ranks", flush=True)
-        return 0
-    for failure in outcome.failures:
-        print(f"[torchdist] {failure.summary()}", flush=True)
-    if outcome.error:
-        print(f"[torchdist] {outcome.error}", flush=True)
-    return 1
 
 
 def run_and_exit(argv: list[str]) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from airflow_provider_torchdist.spark.app import finish, hosts_of, started
+from airflow_provider_torchdist.spark.app import hosts_of, started
 from airflow_provider_torchdist.spark.connect.job import (
     ConnectVerifier,
     OperationAnnouncer,
@@ -41,6 +41,7 @@ from airflow_provider_torchdist.spark.connect.sessions import open_session
 from airflow_provider_torchdist.spark.data.data_shards import has_train_data, shuffled_shards
 from airflow_provider_torchdist.spark.data.shard_plan import TrainDataError
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
+from airflow_provider_torchdist.spark.driver.finish import finish
 from airflow_provider_torchdist.spark.driver.owner import read_owner_token, write_channel_address
 from airflow_provider_torchdist.spark.driver.rank_logs import rank_filter
 from airflow_provider_torchdist.spark.driver.slots import SlotsUnavailable

@@ -19,6 +19,7 @@ from typing import Any
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
 from airflow_provider_torchdist.spark.driver.decommission import Decommissions
 from airflow_provider_torchdist.spark.driver.executor_loss import ExecutorWatch
+from airflow_provider_torchdist.spark.driver.finish import finish
 from airflow_provider_torchdist.spark.driver.spark_context import (
     cluster_channel,
     first_line,
@@ -82,7 +83,7 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
                 channel.say(error)
             emit("channel_close")
         emit("channel_closed")
-        return Outcome(
+        outcome = Outcome(
             ok=not failures and error is None,
             failures=failures,
             error=error,
@@ -90,6 +91,8 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
             metrics=channel.metrics,
             world_sizes=history.entries,
         )
+        finish(outcome, staging)  # before the SparkContext stops (see finish)
+        return outcome
 
 
 def elastic_stage(

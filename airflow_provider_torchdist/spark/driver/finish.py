@@ -1,0 +1,43 @@
+"""The end of a driver's run: its outcome written for the run's owner, and said, once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from airflow_provider_torchdist.spark.wire.outcome import Outcome
+
+#: The exit code of each run whose outcome is out (:func:`finish` runs once per run).
+_FINISHED: dict[Path, int] = {}
+
+
+def finish(outcome: Outcome, staging: Path) -> int:
+    """Write the outcome for the hook, say it, and return the exit code; once per run (a second
+    call returns the first one's code).
+
+    A run on a cluster finishes while its SparkContext is still up: a supervised run's owner has
+    its result from the outcome file while Spark stops (about a second nobody has to wait for)."""
+    if staging in _FINISHED:
+        return _FINISHED[staging]
+    _FINISHED[staging] = code = _write_and_say(outcome, staging)
+    return code
+
+
+def _write_and_say(outcome: Outcome, staging: Path) -> int:
+    try:
+        outcome.write(staging)
+    except OSError as exc:  # a full staging disk: say it where the task log shows it
+        print(f"[torchdist] the run's outcome could not be written to {staging}: {exc}", flush=True)
+        return 1
+    if outcome.ok:
+        print("[torchdist] training finished on all ranks", flush=True)
+        return 0
+    for failure in outcome.failures:
+        print(f"[torchdist] {failure.summary()}", flush=True)
+    if outcome.error:
+        print(f"[torchdist] {outcome.error}", flush=True)
+    return 1
+
+
+def finished_code(staging: Path) -> int | None:
+    """The exit code of the run in ``staging`` once its outcome is out; None before."""
+    return _FINISHED.get(staging)
