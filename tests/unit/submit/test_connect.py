@@ -201,14 +201,19 @@ class _Channel:
         self.said.append(text)
 
 
+def _wait_for(cancelled: list[bool], timeout: float = 10.0) -> None:
+    """Until the watch has cancelled the stage, or ``timeout`` seconds (the caller asserts which)."""
+    deadline = time.monotonic() + timeout
+    while not cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_the_slot_watch_cancels_a_stage_whose_tasks_did_not_all_start_in_time() -> None:
     channel, cancelled = _Channel(), []
     channel.started_nodes.add(0)
     watch = SlotWatch(channel, 2, 1.0, lambda: cancelled.append(True))
     with watch:
-        deadline = time.monotonic() + 10
-        while not cancelled and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for(cancelled)
     assert cancelled == [True]
     assert "needs 2 task slot(s) at once, and 1 of its tasks started within slot_timeout=1s" in watch.error
 
@@ -226,9 +231,7 @@ def test_with_train_data_the_slot_watch_starts_its_clock_once_the_shuffle_stages
         assert cancelled == []
         # The shuffle's stage is done and the barrier stage waits for its slots: the clock runs.
         watch.progress(stages=[Stage(stage_id=0, done=True), Stage(stage_id=1, done=False)])
-        deadline = time.monotonic() + 10
-        while not cancelled and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for(cancelled)
     assert cancelled == [True]
     assert "needs 2 task slot(s) at once" in watch.error
 
@@ -243,9 +246,7 @@ def test_the_slot_watch_clock_starts_when_adaptive_execution_ran_the_shuffle_as_
     with watch:
         watch.progress(stages=[Stage(stage_id=3, done=True)])  # the shuffle's own job
         watch.progress(stages=[Stage(stage_id=3, done=False), Stage(stage_id=4, done=False)])
-        deadline = time.monotonic() + 10
-        while not cancelled and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for(cancelled)
     assert cancelled == [True]
     assert "needs 2 task slot(s) at once" in watch.error
 
