@@ -192,16 +192,16 @@ def start_cluster(
 
 
 def restart_lost_workers(info: ClusterInfo, timeout: float = 90.0, daemon_memory: str = "256m") -> list[int]:
-    """Start again every Worker whose daemon is gone (a test killed it), or that the Master does not
-    list as ALIVE (a Worker still dying of its SIGKILL, or one the Master gave up on while it was
-    frozen: either would leave the next run one host short), on the same host; wait until all are
-    registered. Whatever was left in a lost Worker's namespace is SIGKILLed first.
+    """Start again every Worker whose daemon is gone (a test killed it) or stopped (a test froze it:
+    the Master lists it ALIVE until its timeout), or that the Master does not list as ALIVE (still
+    dying of its SIGKILL, or given up on while frozen: either would leave the next run one host
+    short), on the same host; wait until all are registered. What was left in its netns is SIGKILLed.
 
     Returns the indexes of the Workers started again.
     """
     status = fetch_master_json(info.master_ui_url)
     alive = {w.get("host") for w in (status or {}).get("workers", []) if w.get("state") == "ALIVE"}
-    lost = [w for w in info.workers if not is_alive(w.pid) or (status is not None and w.host not in alive)]
+    lost = [w for w in info.workers if not w.serving or (status is not None and w.host not in alive)]
     # Taken before any restart: the ids the lost Workers registered under, which must not count.
     replaced = registered_worker_ids(info, {w.host for w in lost}) if lost else frozenset()
     restarted = []

@@ -223,9 +223,10 @@ def cluster_logs(info: ClusterInfo, lines: int = 12) -> str:
 
 def wait_idle(info: ClusterInfo, timeout: float = 60.0) -> None:
     """Wait until the Master runs no application and lists every Worker ALIVE with all its cores
-    free: what an earlier run held (an application still being removed, an executor still being
-    killed) is back, so the next run finds the slots the test counts on. A run that finds a slot
-    held waits for it, and one whose connection names the web UI waits as long as it takes.
+    free, and no Worker daemon is stopped or a zombie: what an earlier run held (an application
+    still being removed, an executor still being killed, a frozen host) is back, so the next run
+    finds the slots the test counts on. A run that finds a slot held waits for it, and one whose
+    connection names the web UI waits as long as it takes.
 
     Raises :class:`ClusterError` with the Master's view after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -235,7 +236,7 @@ def wait_idle(info: ClusterInfo, timeout: float = 60.0) -> None:
             alive = [w for w in status.get("workers", []) if w.get("state") == "ALIVE"]
             busy = [w for w in alive if w.get("coresfree") != w.get("cores")]
             whole = sorted(w.get("host") for w in alive) == sorted(info.worker_hosts)
-            if whole and not busy and not status.get("activeapps"):
+            if whole and not busy and not status.get("activeapps") and all(w.serving for w in info.workers):
                 return
         if time.monotonic() > deadline:
             view = status and {

@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 DEFAULT_PREFIX = "td"
 DEFAULT_SUBNET = "10.231.0"
 STATE_FILE = "state.json"
@@ -40,6 +42,14 @@ class WorkerInfo:
     work_dir: str  #: SPARK_WORKER_DIR (executor stdout/stderr end up in here)
     netns: str | None = None  #: network namespace it runs in, if any
     host_veth: str | None = None  #: root-namespace end of its veth pair, if any
+
+    @property
+    def serving(self) -> bool:
+        """Whether its daemon is alive and not stopped: a frozen (SIGSTOPped) Worker serves nothing,
+        yet the Master lists it ALIVE until its timeout, and a SIGKILL may not have ended it yet."""
+        with contextlib.suppress(psutil.Error):
+            return psutil.Process(self.pid).status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
+        return False
 
 
 @dataclasses.dataclass
