@@ -51,10 +51,6 @@ def check_connect_run(
             "local mode trains on the Spark driver's machine. Use local_mode=False (the ranks run in "
             "the server's executors), or a 'spark' connection for local mode."
         )
-    if spec.elastic:
-        raise InvalidTrainingConfig(
-            f"an elastic num_processes cannot run {where} yet: use a 'spark' connection (spark-submit) for it"
-        )
     # Spark settings belong to the server there: its executors, resources and Python are its own.
     if dropped := [name for name in ("conf", "spark_submit_kwargs") if getattr(spec, name)]:
         raise InvalidTrainingConfig(

@@ -16,6 +16,7 @@ uses the server cannot also use ``no_leftovers``: the server checks its own left
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,11 +28,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from airflow_provider_torchdist.supervision.processes import end_session, session_members, start_detached
 from tests.integration.deployment import free_port
+
+if TYPE_CHECKING:
+    from tests.cluster import ClusterInfo
 
 HOST = "127.0.0.1"
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
@@ -157,3 +162,28 @@ def connect_conn(
     monkeypatch.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", json.dumps(conn))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "connect-cache"))
     return CONN_ID
+
+
+@contextlib.contextmanager
+def connect_on_cluster(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, conf: dict[str, str] | None = None
+) -> Iterator[str]:
+    """A Connect server whose master is the netns ``cluster`` (its driver on the bridge, its
+    executors on the test hosts), and a ``spark_connect`` connection to it over 127.0.0.1, whose id
+    this yields; the server is stopped afterwards, its application with it."""
+    server = start_connect_server(
+        master=cluster.master_url,
+        conf={
+            "spark.driver.host": cluster.driver_host,
+            "spark.driver.bindAddress": cluster.driver_host,
+            "spark.executor.memory": "512m",
+            "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+            **(conf or {}),
+        },
+    )
+    try:
+        conn = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": server.port}
+        monkeypatch.setenv("AIRFLOW_CONN_CLUSTER_CONNECT", json.dumps(conn))
+        yield "cluster_connect"
+    finally:
+        server.stop()

@@ -88,6 +88,28 @@ def test_two_ranks_per_task_over_connect(connect_conn: str) -> None:
     assert (result["world_size"], result["allreduce"]) == (2, 1.0)
 
 
+def test_an_elastic_range_trains_over_connect_on_the_rendezvous_store_of_the_client(
+    connect_conn: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """ "1:2" on the server's 2 slots: both nodes join the first worker group, and the history in
+    ``world_sizes`` (XCom's, on the operator) says so; the store is served by the Connect client."""
+    hook = TorchDistributorHook(conn_id=connect_conn, num_processes="1:2", join_window=10)
+    result = hook.run(train_and_report, 1.0)
+    assert (result["rank"], result["world_size"], result["allreduce"]) == (0, 2, 1.0)
+    assert [(e["world_size"], e["reason"]) for e in hook.world_sizes] == [(2, "start")]
+    text = "".join(capfd.readouterr())
+    assert "elastic mode over Spark Connect: 1 to 2 ranks, 2 Spark task(s) x 1 process(es)" in text
+    assert "rendezvous store on 127.0.0.1:" in text
+
+
+def test_an_elastic_min_the_servers_local_master_cannot_fit_fails_before_any_task(connect_conn: str) -> None:
+    with pytest.raises(
+        TrainingFailed,
+        match=r"elastic run needs at least 3 task slot\(s\) at once but the cluster has 2 .*local\[2\]",
+    ):
+        TorchDistributorHook(conn_id=connect_conn, num_processes="3:4").run(train_and_report, 1.0)
+
+
 def test_rank_one_raising_fails_the_run_naming_rank_host_and_exception(connect_conn: str) -> None:
     with pytest.raises(TrainingFailed) as info:
         TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(fail_on_rank_one)

@@ -3,7 +3,6 @@ namespaces, each with its own address. The ranks must rendezvous across those re
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -17,6 +16,7 @@ import pytest
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, TrainingFailed
 from tests.cluster import ClusterInfo, leftover_network, start_cluster, stop_cluster, wait_idle
+from tests.integration.connect_server import connect_on_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_leftovers")]
 
@@ -280,32 +280,6 @@ def test_train_data_reaches_ranks_on_two_hosts_without_passing_through_the_drive
     # Together: every kept id once (the total and sum of the ids match, and no id repeats on a rank).
     assert sum(r["id_sum"] for r in ranks) == int(kept.sum())
     print("RssAnon per rank (MB):", [round(r["rss_anon_kb"] / 1024) for r in ranks])
-
-
-@contextlib.contextmanager
-def connect_on_cluster(
-    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, conf: dict[str, str] | None = None
-) -> Iterator[str]:
-    """A Connect server whose master is this cluster (its driver on the bridge, its executors on
-    the test hosts), and a ``spark_connect`` connection to it over 127.0.0.1; stopped afterwards."""
-    from tests.integration.connect_server import start_connect_server
-
-    server = start_connect_server(
-        master=f"spark://{cluster.master_host}:{cluster.master_port}",
-        conf={
-            "spark.driver.host": DRIVER_HOST,
-            "spark.driver.bindAddress": DRIVER_HOST,
-            "spark.executor.memory": "512m",
-            "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
-            **(conf or {}),
-        },
-    )
-    try:
-        conn = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": server.port}
-        monkeypatch.setenv("AIRFLOW_CONN_CLUSTER_CONNECT", json.dumps(conn))
-        yield "cluster_connect"
-    finally:
-        server.stop()
 
 
 def test_over_spark_connect_ranks_on_two_test_hosts_rendezvous_map_their_tasks_gpus_and_get_train_data(

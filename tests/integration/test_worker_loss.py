@@ -37,6 +37,7 @@ from tests.cluster import (
     wait_idle,
 )
 from tests.cluster.netns import netns_pids
+from tests.integration.connect_server import connect_on_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -359,19 +360,39 @@ def test_elastic_range_starts_with_the_free_slots(
     assert [(e["world_size"], e["reason"]) for e in hook.world_sizes] == [(2, "start")]
 
 
+@contextlib.contextmanager
+def _engine_hook(
+    engine: str, cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, **settings: Any
+) -> Iterator[TorchDistributorHook]:
+    """A hook on the netns cluster: spark-submit with its driver on the test host, or a Connect
+    server of the test's own on the cluster (stopped afterwards, its application with it), whose
+    client on the test host serves the run's channel and rendezvous store."""
+    if engine == "spark-submit":
+        yield _cluster_hook(cluster, monkeypatch, **settings)
+        return
+    with connect_on_cluster(cluster, monkeypatch) as conn_id:
+        yield TorchDistributorHook(conn_id=conn_id, **settings)
+
+
+@pytest.mark.parametrize("engine", ["spark-submit", "connect"])
 def test_elastic_run_survives_losing_the_host_of_rank_0(
-    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_leftovers: None
+    engine: str, cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_leftovers: None
 ) -> None:
     """ "1:2" loses the host of rank 0 mid-training: the survivor goes on alone from the latest
-    checkpoint, as rank 0 of world size 1, in the same run; nothing is left on the lost host."""
-    hook = _cluster_hook(
-        cluster,
-        monkeypatch,
-        num_processes="1:2",
-        join_window=JOIN_BOTH_S,
-        max_restarts=2,
-        checkpoint_dir=str(tmp_path / "ckpt"),
-    )
+    checkpoint, as rank 0 of world size 1, in the same run; nothing is left on the lost host.
+
+    Over Spark Connect the loss is seen as the lost node's channel closing (the client has no
+    SparkContext), and the rendezvous store lives in the client, on the test host."""
+    settings = {"num_processes": "1:2", "join_window": JOIN_BOTH_S, "max_restarts": 2}
+    with _engine_hook(
+        engine, cluster, monkeypatch, checkpoint_dir=str(tmp_path / "ckpt"), **settings
+    ) as hook:
+        _survive_losing_the_host_of_rank_0(hook, cluster, tmp_path)
+
+
+def _survive_losing_the_host_of_rank_0(
+    hook: TorchDistributorHook, cluster: ClusterInfo, tmp_path: Path
+) -> None:
     runner, result, errors = _run_in_thread(hook, str(tmp_path), 300)
     _wait_for_markers(tmp_path, ["w2-rank0.json", "w2-rank1.json"], runner, errors)
     time.sleep(2.0)  # well into training: checkpoints written
@@ -441,20 +462,23 @@ def test_elastic_run_below_min_fails_naming_the_loss(
     assert "fewer than MIN=2 ranks" in message
 
 
+@pytest.mark.parametrize("engine", ["spark-submit", "connect"])
 def test_elastic_run_grows_back_when_the_lost_host_returns(
-    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_leftovers: None
+    engine: str, cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_leftovers: None
 ) -> None:
     """ "1:2" loses the host of rank 1, goes on at world size 1, and takes the host back in when its
     Worker returns: Spark's task retry runs the lost node again there, and it joins at the next
-    rendezvous."""
-    hook = _cluster_hook(
-        cluster,
-        monkeypatch,
-        num_processes="1:2",
-        join_window=JOIN_BOTH_S,
-        max_restarts=3,
-        checkpoint_dir=str(tmp_path / "ckpt"),
-    )
+    rendezvous. Over Spark Connect, the server's application gets an executor there again."""
+    settings = {"num_processes": "1:2", "join_window": JOIN_BOTH_S, "max_restarts": 3}
+    with _engine_hook(
+        engine, cluster, monkeypatch, checkpoint_dir=str(tmp_path / "ckpt"), **settings
+    ) as hook:
+        _grow_back_when_the_lost_host_returns(hook, cluster, tmp_path)
+
+
+def _grow_back_when_the_lost_host_returns(
+    hook: TorchDistributorHook, cluster: ClusterInfo, tmp_path: Path
+) -> None:
     runner, result, errors = _run_in_thread(hook, str(tmp_path), 900)
     _wait_for_markers(tmp_path, ["w2-rank0.json", "w2-rank1.json"], runner, errors)
     time.sleep(1.0)

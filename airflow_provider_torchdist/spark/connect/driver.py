@@ -29,12 +29,14 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from airflow_provider_torchdist.spark.app import hosts_of, started
+from airflow_provider_torchdist.spark.connect.elastic import run_connect_elastic
 from airflow_provider_torchdist.spark.connect.job import (
     ConnectVerifier,
     OperationAnnouncer,
     SlotWatch,
-    check_payload_size,
-    local_slots,
+    job_payload,
+    open_connect_run,
+    server_setting,
 )
 from airflow_provider_torchdist.spark.connect.node_task import connect_node_task
 from airflow_provider_torchdist.spark.connect.sessions import open_session
@@ -42,9 +44,8 @@ from airflow_provider_torchdist.spark.data.data_shards import has_train_data, sh
 from airflow_provider_torchdist.spark.data.shard_plan import TrainDataError
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
 from airflow_provider_torchdist.spark.driver.finish import finish
-from airflow_provider_torchdist.spark.driver.owner import read_owner_token, write_channel_address
+from airflow_provider_torchdist.spark.driver.owner import read_owner_token
 from airflow_provider_torchdist.spark.driver.rank_logs import rank_filter
-from airflow_provider_torchdist.spark.driver.slots import SlotsUnavailable
 from airflow_provider_torchdist.spark.driver.spark_context import first_line
 from airflow_provider_torchdist.spark.node.network import route_address
 from airflow_provider_torchdist.spark.wire.events import emit
@@ -131,21 +132,13 @@ def tagged_session(url: str, run_id: str) -> Iterator[tuple[Any, Callable[[], No
             spark.client.close()
 
 
-def server_setting(spark: Any, key: str, default: str | None) -> str | None:
-    """One of the server's settings, or ``default`` when the server hides it."""
-    with contextlib.suppress(Exception):
-        return spark.conf.get(key, default)
-    return default
-
-
 def run_connect(spec: JobSpec, staging: Path, url: str, py_files: list[str] | None = None) -> Outcome:
-    """The barrier stage over a Connect session, with the user's ``py_files`` (paths here, shipped
-    inside the job); returns the run's outcome."""
+    """The run's job over a Connect session, with the user's ``py_files`` (paths here, shipped
+    inside the job); returns the run's outcome. An elastic run goes to :mod:`.elastic`."""
     with tagged_session(url, spec.run_id) as (spark, cancel):
         owner_token = read_owner_token(staging)
-        nproc = spec.nproc_per_node
-        conflicts: list[str] = []
-        channel = RunChannel(
+        open_channel = functools.partial(
+            RunChannel,
             spec.token,
             # Where the server's driver runs is the route to it, unless the server hides it.
             channel_host(
@@ -153,23 +146,27 @@ def run_connect(spec: JobSpec, staging: Path, url: str, py_files: list[str] | No
             ),
             staging,
             cancel,
-            ranks_of_node=lambda n: range(n * nproc, (n + 1) * nproc),
-            verify_node=ConnectVerifier(
-                spec.num_nodes, on_conflict=lambda text: (conflicts.append(text), cancel())
-            ),
             owner_token=owner_token,
             echo_stdout=owner_token is None,
             rank_filter=rank_filter(spec.log_ranks, staging),
         )
+        if spec.elastic:
+            return run_connect_elastic(spark, spec, staging, open_channel, cancel, py_files or [])
+        nproc = spec.nproc_per_node
+        conflicts: list[str] = []
+        channel = open_channel(
+            ranks_of_node=lambda n: range(n * nproc, (n + 1) * nproc),
+            verify_node=ConnectVerifier(
+                spec.num_nodes, on_conflict=lambda text: (conflicts.append(text), cancel())
+            ),
+        )
         with channel:
-            write_channel_address(staging, channel.address)
-            channel.say(
+            open_connect_run(
+                channel,
+                staging,
                 f"distributed mode over Spark Connect: {spec.num_nodes} Spark task(s) x "
-                f"{spec.nproc_per_node} process(es), server {server_host(url)}, run channel on "
-                f"{channel.address[0]}:{channel.address[1]} (the executors must reach it)"
+                f"{spec.nproc_per_node} process(es), server {server_host(url)}",
             )
-            if channel.rank_filter:
-                channel.say(channel.rank_filter.announcement())
             try:
                 results, error = run_job(spark, spec, staging, channel, cancel, conflicts, py_files or [])
             except TrainDataError as exc:  # before any rank started, with the server's error
@@ -200,14 +197,7 @@ def run_job(
     and the payload fits its messages; returns each node's result and the job's error (None when
     it succeeded, or when a rank's report tells the story). ``conflicts``: why the channel stopped
     the job (a node claimed twice), as it happens."""
-    master = server_setting(spark, "spark.master", "") or ""
-    task_cpus = server_setting(spark, "spark.task.cpus", "1") or "1"
-    slots = local_slots(master, int(task_cpus))  # a server that hides its master: no local check
-    if slots is not None and slots < spec.num_nodes:
-        raise SlotsUnavailable(spec.num_nodes, slots, f"the Connect server's master {master}")
-    entry = b"" if spec.kind == "module" else (staging / spec.entry).read_bytes()
-    shipped = [(Path(p).name, Path(p).read_bytes()) for p in py_files]
-    check_payload_size(len(entry) + sum(len(data) for _, data in shipped), spark)
+    entry, shipped = job_payload(spark, spec, staging, py_files)
     data = None
     if has_train_data(spec):  # node n's rows come to partition n, through the server's shuffle
         stage, schema, sizes = shuffled_shards(spark, spec, staging, channel.say)

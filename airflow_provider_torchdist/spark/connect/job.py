@@ -9,11 +9,15 @@ import contextlib
 import re
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
+from airflow_provider_torchdist.spark.driver.owner import write_channel_address
+from airflow_provider_torchdist.spark.driver.slots import SlotsUnavailable
 from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused
 from airflow_provider_torchdist.spark.wire.connect_ids import connect_operation
+from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 
 #: What a Connect server takes in one gRPC message by default (``spark.connect.grpc.maxInboundMessageSize``).
 DEFAULT_MAX_MESSAGE = 128 * 1024 * 1024
@@ -24,11 +28,15 @@ PLAN_ROOM = 1024 * 1024
 class ConnectVerifier:
     """Accepts each of the run's ``nodes`` once, on the host it connects from (the run's token
     proved in the hello). A second claim of a node is refused and stops the run: Spark retried a
-    task of the barrier stage (which cannot go on without it), or someone else holds the token."""
+    task of the barrier stage (which cannot go on without it), or someone else holds the token.
 
-    def __init__(self, nodes: int, on_conflict: Any = None) -> None:
+    ``retried``: an elastic run's node comes back when Spark retries its lost task, as a new task
+    attempt on any host, so a later claim is accepted (the registry refuses a task attempt twice)."""
+
+    def __init__(self, nodes: int, on_conflict: Any = None, retried: bool = False) -> None:
         self._count = nodes
         self._on_conflict = on_conflict
+        self._retried = retried
         self._lock = threading.Lock()
         self._nodes: dict[int, str] = {}
 
@@ -37,7 +45,7 @@ class ConnectVerifier:
             raise HelloRefused(f"node {node} is not one of this run's {self._count} node(s)")
         with self._lock:
             first = self._nodes.get(node)
-            if first is None:
+            if first is None or self._retried:
                 self._nodes[node] = peer_ip
                 conflict = None
             else:
@@ -61,7 +69,8 @@ def local_slots(master: str, task_cpus: int) -> int | None:
 
 
 class SlotWatch:
-    """Fails the run when not every barrier task has started within ``timeout`` seconds.
+    """Fails the run when not every barrier task (an elastic run: not ``needed``, its MIN nodes)
+    has started within ``timeout`` seconds.
 
     A Connect client cannot see the cluster's executors; what it can see is whether the job's
     tasks reported in. A barrier stage starts all its tasks at once or none, so none by then means
@@ -79,8 +88,11 @@ class SlotWatch:
         timeout: float | None,
         cancel: Any,
         after_shuffle: bool = False,
+        elastic: bool = False,
     ) -> None:
         self._channel, self._needed, self._timeout, self._cancel = channel, needed, timeout, cancel
+        #: An elastic run's tasks start one by one, and ``needed`` of them (its MIN) are enough.
+        self._elastic = elastic
         self._done = threading.Event()
         self._clock = threading.Event()
         #: Stages any report showed done: a later job lists a stage it reuses as not done (skipped).
@@ -120,9 +132,13 @@ class SlotWatch:
                 return
             waited = time.monotonic() - start
             if self._timeout is not None and waited >= self._timeout:
+                needs = (
+                    f"The elastic run needs {self._needed} task slot(s) (its MIN)"
+                    if self._elastic
+                    else f"The barrier stage needs {self._needed} task slot(s) at once"
+                )
                 self.error = (
-                    f"The barrier stage needs {self._needed} task slot(s) at once, and {started} of its tasks "
-                    f"started within slot_timeout={self._timeout:.0f}s over Spark Connect: the cluster is too "
+                    f"{needs}, and {started} of its tasks started within slot_timeout={self._timeout:.0f}s over Spark Connect: the cluster is too "
                     "small or busy, or its executors cannot reach the run channel on "
                     f"{self._channel.address[0]}:{self._channel.address[1]} (the connection's extra channel-host "
                     "sets it). Lower num_processes, raise nproc_per_node, or give the cluster more executors/cores."
@@ -131,10 +147,51 @@ class SlotWatch:
                 return
             if time.monotonic() >= next_say:
                 next_say += 10
-                self._channel.say(
-                    f"waiting for {self._needed - started} of {self._needed} barrier task(s) to start: the "
-                    "stage needs all its task slots at once"
+                why = (
+                    "the run needs MIN ranks' tasks"
+                    if self._elastic
+                    else "the stage needs all its task slots at once"
                 )
+                kind = "task(s)" if self._elastic else "barrier task(s)"
+                self._channel.say(
+                    f"waiting for {self._needed - started} of {self._needed} {kind} to start: {why}"
+                )
+
+
+def open_connect_run(channel: RunChannel, staging: Path, mode: str) -> None:
+    """The run's first lines: where its channel listens (in the staging directory, for the
+    owners; in the log, for whoever must open the way from the executors), and whose lines show."""
+    write_channel_address(staging, channel.address)
+    host, port = channel.address
+    channel.say(f"{mode}, run channel on {host}:{port} (the executors must reach it)")
+    if channel.rank_filter:
+        channel.say(channel.rank_filter.announcement())
+
+
+def server_setting(spark: Any, key: str, default: str | None) -> str | None:
+    """One of the server's settings, or ``default`` when the server hides it."""
+    with contextlib.suppress(Exception):
+        return spark.conf.get(key, default)
+    return default
+
+
+def job_payload(
+    spark: Any, spec: JobSpec, staging: Path, py_files: list[str]
+) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """What the job carries to its tasks: the entry (none in module mode) and the user's
+    ``py_files`` as ``(name, bytes)``; first, a ``local[N]`` server that cannot fit the job's tasks
+    at once (an elastic run: its MIN's) is refused, and so is a payload the server's messages cannot
+    carry."""
+    needed = spec.min_nodes if spec.elastic else spec.num_nodes
+    master = server_setting(spark, "spark.master", "") or ""
+    task_cpus = server_setting(spark, "spark.task.cpus", "1") or "1"
+    slots = local_slots(master, int(task_cpus))  # a server that hides its master: no local check
+    if slots is not None and slots < needed:
+        raise SlotsUnavailable(needed, slots, f"the Connect server's master {master}", elastic=spec.elastic)
+    entry = b"" if spec.kind == "module" else (staging / spec.entry).read_bytes()
+    shipped = [(Path(p).name, Path(p).read_bytes()) for p in py_files]
+    check_payload_size(len(entry) + sum(len(data) for _, data in shipped), spark)
+    return entry, shipped
 
 
 def check_payload_size(size: int, spark: Any) -> None:

@@ -1,6 +1,7 @@
-"""What each barrier task of a run's Connect job runs on the server's executors: the payload and
-the user's py_files written privately, then the node as :func:`~airflow_provider_torchdist.spark.node.barrier.barrier_task`
-runs it; and how a node ends itself when the run's driver is gone."""
+"""What each task of a run's Connect job runs on the server's executors: the payload and the user's
+py_files written privately, then the node as :func:`~airflow_provider_torchdist.spark.node.barrier.barrier_task`
+runs it (or, in an elastic run, :func:`~airflow_provider_torchdist.spark.elastic.task.elastic_task`);
+and how a node ends itself when the run's driver is gone."""
 
 from __future__ import annotations
 
@@ -35,32 +36,14 @@ def end_this_node() -> None:
     os.kill(os.getpid(), signal.SIGKILL)  # this worker too: its task has no driver to report to
 
 
-def connect_node_task(
-    spec: JobSpec,
-    channel_address: tuple[str, int],
-    output_dir: str,
-    entry: bytes,
-    py_files: list[tuple[str, bytes]],
-    data: tuple[Any, tuple[int, ...]] | None,
-    rows: Iterator[Any],
-) -> Iterator[Any]:
-    """One barrier task of the job: write the payload and the user's ``py_files`` (``(name,
-    bytes)``) privately, put the latter on the ranks' ``sys.path``, then run the node as
-    :func:`.barrier.barrier_task` does. With ``train_data``, ``data`` is the shard files' schema and
-    the rows per rank, and ``rows`` the node's blobs: the node writes its ranks' files first
-    (:func:`.node_shards.node_shards`)."""
-    import pyarrow as pa
-
-    from airflow_provider_torchdist.spark.data.node_shards import node_shards
-    from airflow_provider_torchdist.spark.node.barrier import barrier_task
-
-    if data is None:
-        # Read the task's input (its one row) to the end, or Spark will not reuse this Python worker.
-        for _ in rows:
-            pass
-    environ = dict(os.environ)  # a reused worker must not hand this run's settings to the next task
+@contextlib.contextmanager
+def shipped_payload(spec: JobSpec, entry: bytes, py_files: list[tuple[str, bytes]]) -> Iterator[str]:
+    """The payload and the user's ``py_files`` (``(name, bytes)``) written privately, the latter on
+    this worker's ``sys.path``; yields the entry's path. On the way out, the files go, and the
+    worker's environment and ``sys.path`` are as they were: a reused worker must not hand this run's
+    settings, nor its py_files, to the next task."""
+    environ = dict(os.environ)
     import_path = list(sys.path)
-
     directory = tempfile.mkdtemp(prefix=f"torchdist-connect-{os.getpid()}-")  # 0700
     try:
         shipped = [private_file(directory, name, data) for name, data in py_files]
@@ -70,28 +53,81 @@ def connect_node_task(
         entries = [p for p in shipped if not p.endswith(".py")]
         sys.path[:0] = [directory, *entries] if len(entries) < len(shipped) else entries
         # Module mode ships no entry: the module comes from py_files or the executors' Python.
-        path = directory if spec.kind == "module" else private_file(directory, spec.entry, entry)
-        with contextlib.ExitStack() as stack:
-            prepare = None if data is None else stack.enter_context(node_shards(spec, *data, rows))
-            # Rank 0 writes its value in place when this client's staging directory is on its
-            # machine too (a server beside this worker), else streams it over the channel.
-            for result in barrier_task(
-                spec,
-                channel_address,
-                output_dir,
-                iter(()),
-                prepare=prepare,
-                entry_path=path,
-                on_driver_lost=end_this_node,
-            ):
-                yield pa.RecordBatch.from_pydict({"result": [result]})
+        yield directory if spec.kind == "module" else private_file(directory, spec.entry, entry)
     finally:
         import shutil
 
         shutil.rmtree(directory, ignore_errors=True)
         os.environ.clear()
         os.environ.update(environ)
-        sys.path[:] = import_path  # nor this run's py_files
+        sys.path[:] = import_path
+
+
+def _drain(rows: Iterator[Any]) -> None:
+    """Read the task's input (its one row) to the end, or Spark will not reuse this Python worker."""
+    for _ in rows:
+        pass
+
+
+def connect_node_task(
+    spec: JobSpec,
+    channel_address: tuple[str, int],
+    output_dir: str,
+    entry: bytes,
+    py_files: list[tuple[str, bytes]],
+    data: tuple[Any, tuple[int, ...]] | None,
+    rows: Iterator[Any],
+) -> Iterator[Any]:
+    """One barrier task of the job: the payload and ``py_files`` written privately
+    (:func:`shipped_payload`), then the node as :func:`.barrier.barrier_task` runs it. With
+    ``train_data``, ``data`` is the shard files' schema and the rows per rank, and ``rows`` the
+    node's blobs: the node writes its ranks' files first (:func:`.node_shards.node_shards`)."""
+    import pyarrow as pa
+
+    from airflow_provider_torchdist.spark.data.node_shards import node_shards
+    from airflow_provider_torchdist.spark.node.barrier import barrier_task
+
+    if data is None:
+        _drain(rows)
+    with shipped_payload(spec, entry, py_files) as path, contextlib.ExitStack() as stack:
+        prepare = None if data is None else stack.enter_context(node_shards(spec, *data, rows))
+        # Rank 0 writes its value in place when this client's staging directory is on its
+        # machine too (a server beside this worker), else streams it over the channel.
+        for result in barrier_task(
+            spec,
+            channel_address,
+            output_dir,
+            iter(()),
+            prepare=prepare,
+            entry_path=path,
+            on_driver_lost=end_this_node,
+        ):
+            yield pa.RecordBatch.from_pydict({"result": [result]})
+
+
+def connect_elastic_task(
+    spec: JobSpec,
+    channel_address: tuple[str, int],
+    store: tuple[str, int],
+    output_dir: str,
+    entry: bytes,
+    py_files: list[tuple[str, bytes]],
+    rows: Iterator[Any],
+) -> Iterator[Any]:
+    """One node of an elastic run's Connect job (an ordinary task, not a barrier one): the payload
+    written privately, then the node as :func:`.elastic.task.elastic_task` runs it, on the rendezvous
+    store that the run's driver (this job's Connect client) serves."""
+    import pyarrow as pa
+
+    from airflow_provider_torchdist.spark.elastic.task import elastic_task
+
+    _drain(rows)
+    with shipped_payload(spec, entry, py_files) as path:
+        node = elastic_task(
+            spec, channel_address, store, output_dir, iter(()), entry_path=path, on_driver_lost=end_this_node
+        )
+        for result in node:
+            yield pa.RecordBatch.from_pydict({"result": [result]})
 
 
 def private_file(directory: str, name: str, data: bytes) -> str:

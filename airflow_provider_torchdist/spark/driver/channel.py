@@ -42,6 +42,7 @@ from airflow_provider_torchdist.spark.wire.channel_auth import (
     ChannelRefused,
     HelloGate,
     HelloRefused,
+    Node,
     NodeRegistry,
     NodeVerifier,
     Peer,
@@ -97,6 +98,7 @@ class RunChannel:
         echo_stdout: bool = True,
         rank_filter: RankLogFilter | None = None,
         on_world_size: Callable[[int], int] | None = None,
+        on_node_gone: Callable[[Node], None] | None = None,
     ) -> None:
         self._token = token.encode()
         self._owner_token = owner_token.encode() if owner_token else None
@@ -107,8 +109,7 @@ class RunChannel:
         self.ledger = RunLedger()
         self.outputs = OutputLedger(self._output_dir)
         self.owners = OwnerHub()
-        self.hello_timeout = hello_timeout
-        self.echo_stdout = echo_stdout
+        self.hello_timeout, self.echo_stdout = hello_timeout, echo_stdout
         #: ``log_ranks``: whose lines are shown (None: everyone's).
         self.rank_filter = rank_filter
         self._gate = HelloGate()
@@ -116,9 +117,9 @@ class RunChannel:
         self.rejected = 0
         self.refusals: list[str] = []
         self._refusals_lock = threading.Lock()
-        self._on_failure = on_failure
-        #: Elastic runs: rank 0's ``WorldSize`` goes here, which numbers the new generation.
-        self._on_world_size = on_world_size
+        # Elastic runs: rank 0's ``WorldSize`` numbers the new generation; a node whose agent left
+        # (``NodeLeft``) or whose connection closed without a goodbye (its process died) is gone.
+        self._on_failure, self._on_world_size, self._on_node_gone = on_failure, on_world_size, on_node_gone
         self._out = out or sys.stdout
         self._print_lock = threading.Lock()
         #: A graceful stop: the request to every rank, their answers (``stop-request.json``).
@@ -264,6 +265,8 @@ class RunChannel:
         if not clean:
             if peer.rank is not None:
                 self.ledger.rank_vanished(peer.rank, host)
+            elif self._on_node_gone is not None:
+                self._on_node_gone(peer.node)
             self.say(
                 f"channel from {this.prefix} closed without a goodbye: the process may have died; "
                 "anything it printed after this is only in its executor's log"
@@ -316,6 +319,9 @@ class RunChannel:
                 self.agents_failed([dataclasses.replace(f, host=this.host) for f in failures])
                 if self._on_failure:
                     self._on_failure()
+            case wire.NodeLeft() if agent:
+                if self._on_node_gone is not None:
+                    self._on_node_gone(node)
             case wire.NodeStarted() if agent:
                 this.generation = self.ledger.node_started(node.node, this.host)
             case wire.MasterEndpoint(host=host, port=port) if agent and node.node == 0:

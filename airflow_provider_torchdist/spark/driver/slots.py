@@ -10,14 +10,18 @@ from airflow_provider_torchdist.spark.driver.jvm_status import max_concurrent_ta
 
 
 class SlotsUnavailable(RuntimeError):
-    """The cluster has fewer task slots than the barrier stage needs."""
+    """The cluster has fewer task slots than the barrier stage (an elastic run: its MIN) needs."""
 
-    def __init__(self, needed: int, available: int, detail: str) -> None:
+    def __init__(self, needed: int, available: int, detail: str, elastic: bool = False) -> None:
         self.needed, self.available = needed, available
+        what, why = (
+            ("The elastic run needs at least", "an elastic run cannot start until its MIN's tasks fit")
+            if elastic
+            else ("The barrier stage needs", "a barrier stage cannot start until all its tasks fit")
+        )
         super().__init__(
-            f"The barrier stage needs {needed} task slot(s) at once but the cluster has {available} "
-            f"({detail}). Lower num_processes, raise nproc_per_node, or give the cluster more "
-            "executors/cores; a barrier stage cannot start until all its tasks fit."
+            f"{what} {needed} task slot(s) at once but the cluster has {available} ({detail}). Lower "
+            f"num_processes, raise nproc_per_node, or give the cluster more executors/cores; {why}."
         )
 
 

@@ -75,12 +75,7 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
             )
             results, error = elastic_stage((sc, group), spec, channel, store.address, monitor, staging)
             failures = channel.failures
-            if monitor.gave_up:
-                error = _elastic_loss_error(spec, history, failures, nobody_left=True)
-                channel.say(error)
-            elif failures and history.losses:
-                error = _elastic_loss_error(spec, history, failures)
-                channel.say(error)
+            error = elastic_verdict(spec, monitor, failures, channel.say) or error
             emit("channel_close")
         emit("channel_closed")
         outcome = Outcome(
@@ -199,6 +194,20 @@ class ElasticMonitor:
         if not self._regrouped.wait(seconds):
             self.gave_up = True
             self._cancel()
+
+
+def elastic_verdict(
+    spec: JobSpec, monitor: ElasticMonitor, failures: list[Any], say: Callable[[str], None]
+) -> str | None:
+    """The run's error when it lost nodes and could not go on (said in the log), else None."""
+    if monitor.gave_up:
+        error = _elastic_loss_error(spec, monitor.history, failures, nobody_left=True)
+    elif failures and monitor.history.losses:
+        error = _elastic_loss_error(spec, monitor.history, failures)
+    else:
+        return None
+    say(error)
+    return error
 
 
 def _elastic_loss_error(

@@ -21,7 +21,7 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +29,7 @@ from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
-from airflow_provider_torchdist.spark.wire.protocol import NodeStarted
+from airflow_provider_torchdist.spark.wire.protocol import NodeLeft, NodeStarted
 
 #: The store key of the driver's restart request (outside torch's ``torch.rendezvous.`` keys).
 RESTART_KEY = "torchdist/restart"
@@ -158,12 +158,18 @@ def elastic_task(
     channel_address: tuple[str, int],
     store: tuple[str, int],
     driver_output_dir: str | None,
-    _: Iterator[int],
+    _: Iterator[Any],
+    *,
+    entry_path: str | None = None,
+    on_driver_lost: Callable[[], None] | None = None,
 ) -> Iterator[str]:
     """One node of an elastic run: register with the driver, then run torchrun's agent for MIN:MAX.
 
     The node rank is the Spark partition id; the global ranks are the rendezvous's to give, per
-    generation. Failures go to the driver over the run channel, as in a barrier task.
+    generation. Failures go to the driver over the run channel, as in a barrier task. ``entry_path``:
+    the payload's path on this executor (default: shipped with the application, ``SparkFiles``);
+    ``on_driver_lost``: called if the driver's end of the channel closes while the node runs (over
+    Spark Connect, the server's job would go on without its driver).
     """
     from pyspark import TaskContext
 
@@ -185,15 +191,19 @@ def elastic_task(
     host = client.host
     client.send(NodeStarted())
     failures: list[RankFailure]
+    stop_watching = client.watch_driver(on_driver_lost) if on_driver_lost else (lambda: None)
     try:
-        failures = run_elastic_node(ctx, client, spec, channel_address, store, driver_output_dir)
+        failures = run_elastic_node(ctx, client, spec, channel_address, store, driver_output_dir, entry_path)
     except Exception as exc:
         failures = [RankFailure(rank=None, host=host, exc_type=type(exc).__name__, message=str(exc))]
+    finally:
+        stop_watching()
     stopped = [f for f in failures if f.exc_type == "SignalException"]
     if stopped:
         # Spark stopped this node (its executor went away, or the stage was cancelled): in an
         # elastic run that is a lost node, which the others survive while MIN remain, not a failure.
         client.line("err", f"this node was stopped and leaves the run ({stopped[0].message})")
+        client.send(NodeLeft())  # the driver may not see it otherwise (over Spark Connect)
         failures = []
     if failures:
         client.failures(failures)
@@ -209,6 +219,7 @@ def run_elastic_node(
     channel_address: tuple[str, int],
     store: tuple[str, int],
     driver_output_dir: str | None,
+    entry_path: str | None = None,
 ) -> list[RankFailure]:
     """This node's agent for MIN:MAX on the driver's store, its GPUs set, under a
     :class:`RestartWatch`; returns the failures of its ranks."""
@@ -225,7 +236,7 @@ def run_elastic_node(
         return launch_node(
             spec,
             node_rank=ctx.partitionId(),
-            entry_path=SparkFiles.get(spec.entry),
+            entry_path=entry_path or SparkFiles.get(spec.entry),
             channel_address=channel_address,
             host=client.host,
             task_cpus=ctx.cpus(),

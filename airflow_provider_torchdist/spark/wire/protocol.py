@@ -132,6 +132,14 @@ class NodeStarted(Message):
 
 
 @dataclass(frozen=True)
+class NodeLeft(Message):
+    """An elastic run's agent was stopped by Spark (its executor went away, its task was killed):
+    the node leaves the run, and its peers must meet again without it."""
+
+    KIND = "node_left"
+
+
+@dataclass(frozen=True)
 class MasterEndpoint(Message):
     """Barrier task 0's rendezvous endpoint, for the other tasks of its stage attempt."""
 

@@ -63,24 +63,18 @@ def _plan(hook: TorchDistributorHook):
         staged.cleanup()
 
 
-@pytest.mark.parametrize(
-    "settings, message",
-    [
-        ({"local_mode": True}, "local_mode=True cannot run over the Spark Connect connection 'sc'"),
-        ({"num_processes": "1:2"}, "an elastic num_processes cannot run over"),
-    ],
-    ids=["local-mode", "elastic"],
-)
-def test_what_connect_does_not_do_is_refused_before_anything_starts(
-    monkeypatch, listening, settings, message
-):
-    hook = _connect_hook(
-        monkeypatch, listening, **{k: v for k, v in settings.items() if k != "num_processes"}
-    )
-    if "num_processes" in settings:
-        hook = TorchDistributorHook(conn_id="sc", num_processes=settings["num_processes"])
-    with pytest.raises(InvalidTrainingConfig, match=message):
+def test_local_mode_is_refused_over_connect_before_anything_starts(monkeypatch, listening):
+    hook = _connect_hook(monkeypatch, listening, local_mode=True)
+    with pytest.raises(
+        InvalidTrainingConfig, match="local_mode=True cannot run over the Spark Connect connection 'sc'"
+    ):
         check_connect_run(hook.spec, hook.target)
+
+
+def test_an_elastic_range_is_taken_over_connect(monkeypatch, listening) -> None:
+    _connect_hook(monkeypatch, listening)  # the connection
+    hook = TorchDistributorHook(conn_id="sc", num_processes="1:2")
+    check_connect_run(hook.spec, hook.target)  # the Connect client serves the rendezvous: no refusal
 
 
 def test_train_data_is_taken_over_connect(monkeypatch, listening) -> None:
@@ -119,6 +113,14 @@ def test_the_verifier_takes_each_node_once_on_the_host_it_connects_from() -> Non
     with pytest.raises(HelloRefused, match="node 2 is not one of this run's 2 node"):
         verify(2, 14, "10.0.0.8")
     assert len(conflicts) == 1
+
+
+def test_an_elastic_runs_verifier_takes_a_node_again_when_spark_retried_its_task() -> None:
+    verify = ConnectVerifier(2, on_conflict=pytest.fail, retried=True)
+    assert verify(1, 12, "10.0.0.6") == "10.0.0.6"
+    assert verify(1, 15, "10.0.0.5") == "10.0.0.5"  # its lost task's retry, on another host
+    with pytest.raises(HelloRefused, match="node 2 is not one of this run's 2 node"):
+        verify(2, 16, "10.0.0.8")
 
 
 def test_the_token_is_taken_out_of_an_error_that_quotes_the_url() -> None:
@@ -216,6 +218,19 @@ def test_the_slot_watch_cancels_a_stage_whose_tasks_did_not_all_start_in_time() 
         _wait_for(cancelled)
     assert cancelled == [True]
     assert "needs 2 task slot(s) at once, and 1 of its tasks started within slot_timeout=1s" in watch.error
+
+
+def test_an_elastic_runs_slot_watch_is_content_with_min_nodes_and_says_so_when_it_gives_up() -> None:
+    channel, cancelled = _Channel(), []
+    channel.started_nodes.add(2)
+    with SlotWatch(channel, 1, 1.0, lambda: cancelled.append(True), elastic=True):
+        time.sleep(2.5)  # MIN=1 started: no verdict, however long the others wait
+    assert cancelled == []
+    channel.started_nodes.clear()
+    watch = SlotWatch(channel, 2, 1.0, lambda: cancelled.append(True), elastic=True)
+    with watch:
+        _wait_for(cancelled)
+    assert "The elastic run needs 2 task slot(s) (its MIN), and 0 of its tasks started" in watch.error
 
 
 def test_with_train_data_the_slot_watch_starts_its_clock_once_the_shuffle_stages_are_done() -> None:

@@ -20,7 +20,7 @@ from airflow_provider_torchdist.spark.driver.channel import ChannelClient, Chann
 from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused, peer_matches
 from airflow_provider_torchdist.spark.wire.jobspec import OUTPUT_FILE
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
-from airflow_provider_torchdist.spark.wire.protocol import Metric, NodeStarted
+from airflow_provider_torchdist.spark.wire.protocol import Metric, NodeLeft, NodeStarted
 from tests.unit.conftest import fast_shutdown, wait_until
 
 TOKEN = "the-run-secret"
@@ -345,6 +345,33 @@ def test_close_without_bye_prints_a_notice(ch):
     wait_until(lambda: "closed without a goodbye" in ch.text, what="the notice")
     assert ch.lines[0] == "[rank 4 @ localhost] last words"
     assert ch.lines[1].startswith("[torchdist] channel from [rank 4 @ localhost] closed without a goodbye")
+
+
+def test_an_agent_gone_without_a_goodbye_or_that_left_is_told_and_a_rank_or_clean_close_is_not(
+    tmp_path,
+):
+    """Over Spark Connect, an elastic run's loss: the node's agent (its process) died."""
+    gone: list[tuple[int, int, str]] = []
+    with make_channel(
+        tmp_path, io.StringIO(), on_node_gone=lambda n: gone.append((n.node, n.attempt, n.host))
+    ) as channel:
+        agent = ChannelClient.as_node(channel.address, TOKEN, node=1, task_attempt=101, host=HOST)
+        agent._sock.close()  # its executor was killed
+        wait_until(lambda: gone, what="the loss")
+        rank = ChannelClient.as_rank(
+            channel.address, TOKEN, node=1, rank=2, generation=0, host=HOST, node_key=agent.node_key
+        )
+        rank._sock.close()  # a rank is the agent's to restart, not a lost node
+        ChannelClient.as_node(channel.address, TOKEN, node=2, task_attempt=102, host=HOST).close()
+        time.sleep(0.3)
+        assert gone == [(1, 0, HOST)]
+        # Spark stopped node 0's task (SIGHUP from its Python daemon, its executor gone): the agent
+        # says it leaves, then closes cleanly.
+        leaving = ChannelClient.as_node(channel.address, TOKEN, node=0, task_attempt=100, host=HOST)
+        leaving.send(NodeLeft())
+        leaving.close()
+        wait_until(lambda: len(gone) == 2, what="the node that left")
+    assert gone == [(1, 0, HOST), (0, 0, HOST)]
 
 
 def test_clean_close_prints_no_notice(ch):

@@ -1,0 +1,127 @@
+"""An elastic run (``num_processes="MIN:MAX"``) over Spark Connect.
+
+As on the spark-submit path (:mod:`~airflow_provider_torchdist.spark.elastic`): an ordinary job of
+MAX/nproc_per_node tasks, each a torchrun agent for ``--nnodes=MIN:MAX`` on torch's ``c10d``
+rendezvous; Spark's task retry brings a lost node back once a slot frees up.
+
+**Where the rendezvous store lives: here, in the Connect client (this process).** It is the one
+process of the run that no node's loss takes with it, and the executors already reach it: the
+store listens on the run channel's address (the connection's ``channel-host``, or this machine's
+address on the route to the server's driver). On a node (task 0's executor, say) the run would
+end with that node.
+
+**How a loss is seen.** A Connect client has no ``SparkContext``, so no listener tells it that
+Spark lost an executor. What it sees is the node's agent: its channel connection closes without a
+goodbye when its process dies (its executor killed, its host gone). That is the loss: the history
+notes it, and the survivors, who may be blocked in a collective with the lost ranks, are told to
+restart (:class:`~airflow_provider_torchdist.spark.elastic.run.ElasticMonitor`). A host that
+freezes keeps its connection open: the survivors then wait for the collective's timeout, and the
+server's driver, which sees the executor's heartbeats stop, retries the task. Spark's graceful
+decommission is not seen either (the ranks get no chance to checkpoint first).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_torchdist.spark.connect.job import (
+    ConnectVerifier,
+    OperationAnnouncer,
+    SlotWatch,
+    job_payload,
+    open_connect_run,
+    server_setting,
+)
+from airflow_provider_torchdist.spark.connect.node_task import connect_elastic_task
+from airflow_provider_torchdist.spark.driver.channel import RunChannel
+from airflow_provider_torchdist.spark.driver.spark_context import first_line
+from airflow_provider_torchdist.spark.wire.channel_auth import Node
+from airflow_provider_torchdist.spark.wire.events import emit
+from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
+from airflow_provider_torchdist.spark.wire.outcome import Outcome
+
+
+def run_connect_elastic(
+    spark: Any,
+    spec: JobSpec,
+    staging: Path,
+    open_channel: Callable[..., RunChannel],
+    cancel: Callable[[], None],
+    py_files: list[str],
+) -> Outcome:
+    """The elastic job over the Connect session ``spark``; ``open_channel`` makes the run channel
+    with the settings every Connect run shares. Returns the run's outcome."""
+    from airflow_provider_torchdist.spark.elastic.run import ElasticMonitor, elastic_verdict
+    from airflow_provider_torchdist.spark.elastic.task import RendezvousStore
+
+    # The store needs torch (about a second to import): while the server checks the payload.
+    threading.Thread(target=importlib.import_module, args=("torch.distributed",), daemon=True).start()
+    entry, shipped = job_payload(spark, spec, staging, py_files)
+
+    def node_gone(node: Node) -> None:
+        # One loss per registration: a node that Spark's retry brought back may be lost again.
+        monitor.lost({f"node {node.node}, registration {node.attempt}": node.shown or node.host})
+
+    channel = open_channel(
+        # The rendezvous gives out the global ranks anew in every generation.
+        ranks_of_node=lambda _: range(spec.max_processes),
+        verify_node=ConnectVerifier(spec.num_nodes, retried=True),
+        on_world_size=lambda size: monitor.world_size(size),
+        on_node_gone=node_gone,
+    )
+    store = RendezvousStore(channel.address[0], timeout=spec.rendezvous_timeout + 60, token=spec.token)
+    monitor = ElasticMonitor(spec, store, cancel, say=channel.say)
+    with channel:
+        open_connect_run(
+            channel,
+            staging,
+            f"elastic mode over Spark Connect: {spec.min_processes} to {spec.max_processes} ranks, "
+            f"{spec.num_nodes} Spark task(s) x {spec.nproc_per_node} process(es), join window "
+            f"{spec.join_window}s, max_restarts {spec.max_restarts}, rendezvous store on "
+            f"{store.address[0]}:{store.address[1]}",
+        )
+        task = functools.partial(
+            connect_elastic_task, spec, channel.address, store.address, str(staging), entry, shipped
+        )
+        results, error = _run_job(spark, spec, channel, cancel, task)
+        error = elastic_verdict(spec, monitor, channel.failures, channel.say) or error
+        emit("channel_close")
+    emit("channel_closed")
+    return Outcome(
+        ok=not channel.failures and error is None,
+        failures=channel.failures,
+        error=error,
+        hosts=sorted({r["host"] for r in map(json.loads, results)}),
+        metrics=channel.metrics,
+        world_sizes=monitor.history.entries,
+    )
+
+
+def _run_job(
+    spark: Any, spec: JobSpec, channel: RunChannel, cancel: Callable[[], None], task: Callable[..., Any]
+) -> tuple[list[str], str | None]:
+    """The job of MAX/nproc_per_node ordinary tasks; returns each node's result and the job's error
+    (None when it succeeded, or when a rank's report tells the story)."""
+    stage = spark.range(spec.num_nodes, numPartitions=spec.num_nodes)
+    watch = SlotWatch(channel, spec.min_nodes, spec.slot_timeout, cancel, elastic=True)
+    announce = OperationAnnouncer(channel, server_setting(spark, "spark.app.id", None), spark.session_id)
+    spark.registerProgressHandler(watch.progress)
+    spark.registerProgressHandler(announce.progress)
+    emit("elastic_stage_submitted")
+    try:
+        with watch:
+            rows = stage.mapInArrow(task, "result string").collect()
+        return [row["result"] for row in rows], None
+    except Exception as exc:
+        return [], watch.error or (None if channel.failures else first_line(exc))
+    finally:
+        spark.removeProgressHandler(announce.progress)
+        spark.removeProgressHandler(watch.progress)
+        announce.last_call()
+        emit("elastic_stage_done")
