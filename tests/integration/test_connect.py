@@ -381,3 +381,22 @@ def test_the_example_dags_train_over_connect_switched_by_the_connection_alone(
     assert (home / "models" / "current.pt").exists()  # retrain_pipeline promoted its first model
     for rank in (0, 1):
         assert f"script rank {rank}/2 done: weight" in output
+
+
+def test_an_elastic_dag_over_connect_pushes_the_same_world_sizes_history_to_xcom(
+    connect_server: ConnectServer, tmp_path: Path
+) -> None:
+    """The elastic test DAG (``"{{ '1:2' }}"``, a downstream task reading ``world_sizes`` from XCom),
+    with ``spark_default`` pointing at the Connect server: the same history as on the spark-submit
+    path (``test_dags.py::test_an_elastic_range_trains_and_its_world_sizes_reach_xcom``)."""
+    from tests.integration.test_dags import DAGS as TEST_DAGS
+    from tests.integration.test_dags import xcom
+
+    home = tmp_path / "home"
+    connection = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": connect_server.port}
+    env = {"AIRFLOW_CONN_SPARK_DEFAULT": json.dumps(connection), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    states, output = run_in_fresh_airflow(home, TEST_DAGS, ["torchdist_e2e_elastic"], env=env)
+    run = states["torchdist_e2e_elastic"]
+    assert run["state"] == "success", output[-5000:]
+    assert xcom(home / "airflow.db", "torchdist_e2e_elastic", run["run_id"], "sizes") == [[2, "start"]]
+    assert "elastic mode over Spark Connect: 1 to 2 ranks" in output
