@@ -15,6 +15,10 @@ batches of 65,536, summing each tensor (``bench/workloads/data_rank.py``):
   ``_get_spark_partition_data_loader`` (the query repartitioned to 2, as that path requires), in a
   spark-submit'ed ``local[2]`` application; timed from the spark-submit fork to
   ``_train_on_dataframe``'s return.
+- **connect**: ``ours`` over a ``spark_connect`` connection to a warm ``local[2]`` Connect server
+  (started by this script): the query runs on the server's session, and its shuffle brings the
+  rows to the ranks on its executors. Also the peak RSS of the task's process and of its Connect
+  driver (goal: flat, under 512 MB, whatever ``--gb``).
 - **b**: do it yourself: spark-submit writes the query's result as Parquet, then ``hook.run(fn)``
   with rank r reading the sorted files ``files[r::2]`` with pyarrow; timed from the spark-submit
   fork to ``hook.run``'s return.
@@ -48,17 +52,25 @@ from common import (
     update_results,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.integration's Connect server
+from tests.integration.connect_server import start_connect_server  # noqa: E402
+
 BATCH_SIZE = 65536
 NUM_PROCESSES = 2
 ROW_BYTES = 8 + 16 * 4 + 4  # id bigint, 16 float features, int label: as Arrow, no nulls
 VARIANTS = {
     "ours": "`train_data=` + `rank_batches`",
+    "connect": "`train_data=` + `rank_batches` over Spark Connect (a `local[2]` server)",
     "a": "(a) PySpark `_train_on_dataframe` + `_get_spark_partition_data_loader`",
     "b": "(b) Spark writes Parquet, ranks read their files with pyarrow",
 }
 RATIO_GOALS = {"a": 2.0, "b": 1.0}  # ours' throughput over the variant's, at least
 ITER_GOAL_GB_S = 1.0
 RSS_GOAL_MB = 1.5 * 1024
+#: The bench's ``spark_connect`` connection (an AIRFLOW_CONN_ variable naming the warm server).
+CONNECT_CONN_ID = "bench_data_connect"
+#: The Connect client's (the task's process, and its Connect driver's) peak RSS, at any data size.
+CLIENT_RSS_GOAL_MB = 512
 
 
 def dataset(directory: Path, gb: float, env: dict[str, str]) -> dict[str, Any]:
@@ -95,8 +107,9 @@ def run_variant(
     name: str, query: str, rows: int, scratch: Path, env: dict[str, str]
 ) -> dict[str, Any] | None:
     """One sample of one variant; None when it failed (logged)."""
-    if name == "ours":
-        cmd = [PYTHON, str(WORKLOADS / "data_hook.py"), "ours", query, str(BATCH_SIZE)]
+    if name in ("ours", "connect"):
+        cmd = [PYTHON, str(WORKLOADS / "data_hook.py"), name, query, str(BATCH_SIZE)]
+        cmd += ["--conn-id", CONNECT_CONN_ID] if name == "connect" else []
     elif name == "b":
         out = scratch / "diy-parquet"
         shutil.rmtree(out, ignore_errors=True)
@@ -124,6 +137,9 @@ def run_variant(
         "rows": sum(r["rows"] for r in ranks),
         "ranks": ranks,
         "write_s": round(result["t_written"] - start, 3) if "t_written" in result else None,
+        # Over Spark Connect: the task's own process and its Connect driver (the rows pass neither).
+        "client_peak_rss_mb": result.get("client_peak_rss_mb"),
+        "driver_peak_rss_mb": result.get("driver_peak_rss_mb"),
         "load_before": sample.load_before,
         "load_after": sample.load_after,
     }
@@ -149,6 +165,8 @@ def variant_stats(runs: list[dict[str, Any]], arrow_bytes: int) -> dict[str, Any
         "rank_iter_gb_s": median(rank_gb_s),
         "peak_rss_anon_mb": max(r_["peak_rss_anon_mb"] for r in runs for r_ in r["ranks"]),
         "write_median_s": median([r["write_s"] for r in runs if r.get("write_s") is not None]),
+        "client_peak_rss_mb": max((r["client_peak_rss_mb"] or 0 for r in runs), default=None) or None,
+        "driver_peak_rss_mb": max((r["driver_peak_rss_mb"] or 0 for r in runs), default=None) or None,
     }
 
 
@@ -159,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one counted round")
     parser.add_argument("--gb", type=float, default=2.0, help="data set size as Arrow, GB (default 2)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: ours,a,b")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated, of: ours,connect,a,b"
+    )
     parser.add_argument("--data-dir", type=Path, help="keep the generated data set here, and reuse it")
     parser.add_argument("--no-save", action="store_true", help="print the section instead of saving it")
     args = parser.parse_args(argv)
@@ -169,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 1 if args.quick else args.rounds
     env = bench_env()
     scratch = Path(tempfile.mkdtemp(prefix="bench-data-path-"))
+    server = None
+    if "connect" in chosen:
+        server = start_connect_server()  # warm across rounds, as a shared Connect server is
+        conn = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": server.port}
+        env[f"AIRFLOW_CONN_{CONNECT_CONN_ID.upper()}"] = json.dumps(conn)
     try:
         data_dir = args.data_dir or scratch
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -191,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                     samples[name].append(run)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if server is not None:
+            server.stop()
     stats = {name: variant_stats(runs, meta["arrow_bytes"]) for name, runs in samples.items()}
     ratios = []
     ours = stats.get("ours", {})
@@ -206,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
                 "met": None if ratio is None else ratio >= goal,
             }
         )
+    connect = stats.get("connect", {})
+    client_rss = (
+        max(connect["client_peak_rss_mb"], connect["driver_peak_rss_mb"] or 0) if connect.get("n") else None
+    )
     goals = {
         "rank_iter_gb_s": {
             "goal": ITER_GOAL_GB_S,
@@ -216,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
             "goal": RSS_GOAL_MB,
             "value": ours.get("peak_rss_anon_mb"),
             "met": None if not ours.get("n") else ours["peak_rss_anon_mb"] <= RSS_GOAL_MB,
+        },
+        # Over Spark Connect the rows never pass through the Airflow task's process: its memory
+        # stays flat, whatever the data's size.
+        "connect_client_peak_rss_mb": {
+            "goal": CLIENT_RSS_GOAL_MB,
+            "value": client_rss,
+            "met": None if client_rss is None else client_rss <= CLIENT_RSS_GOAL_MB,
         },
     }
     for name, st in stats.items():

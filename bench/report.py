@@ -640,6 +640,16 @@ def _data_path(sec: dict[str, Any]) -> list[str]:
             _verdict(goals["peak_rss_anon_mb"]["met"]),
         ]
     )
+    if client := goals.get("connect_client_peak_rss_mb"):
+        rows.append(
+            [
+                "over Spark Connect: peak RSS of the task's process and its Connect driver (the rows pass "
+                "neither), MB",
+                _s(client["value"], 0),
+                f"<= {client['goal']}",
+                _verdict(client["met"]),
+            ]
+        )
     lines += ["", "Goals:", ""] + _table(["measure", "value", "goal", ""], rows)
     lines += [
         "",

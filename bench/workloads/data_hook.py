@@ -4,6 +4,9 @@
 train_data=QUERY).run(fn)``, ``fn`` iterating ``rank_batches(BATCH_SIZE)``; timed from the
 ``hook.run`` call to its return.
 
+``python data_hook.py connect QUERY BATCH_SIZE --conn-id ID``: the same over the Spark Connect
+connection ``ID``; also says the peak RSS of this process and of its Connect driver.
+
 ``python data_hook.py diy QUERY BATCH_SIZE OUT``: do it yourself. spark-submit writes the query's
 result as Parquet to ``OUT``, then ``TorchDistributorHook(num_processes=2).run(fn)``, rank r reading
 the sorted files ``files[r::2]`` with pyarrow; timed from the spark-submit fork to ``hook.run``'s
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -32,16 +36,26 @@ NUM_PROCESSES = 2
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("variant", choices=["ours", "diy"])
+    parser.add_argument("variant", choices=["ours", "connect", "diy"])
     parser.add_argument("query")
     parser.add_argument("batch_size", type=int)
     parser.add_argument("out", nargs="?")
+    parser.add_argument("--conn-id", help="connect: the spark_connect connection to the server")
     args = parser.parse_args()
     timing: dict[str, float] = {}
     if args.variant == "ours":
         hook = TorchDistributorHook(num_processes=NUM_PROCESSES, local_mode=False, train_data=args.query)
         t_start = time.time()
         ranks = hook.run(data_rank.iterate_ours, args.batch_size)
+    elif args.variant == "connect":
+        # The Connect server's session runs the query; the rows go from its shuffle to the ranks on
+        # its executors, never through this process or its Connect driver (a child, so its peak
+        # RSS is RUSAGE_CHILDREN's).
+        hook = TorchDistributorHook(conn_id=args.conn_id, num_processes=NUM_PROCESSES, train_data=args.query)
+        t_start = time.time()
+        ranks = hook.run(data_rank.iterate_ours, args.batch_size)
+        timing["client_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+        timing["driver_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
     else:
         if not args.out:
             parser.error("diy needs OUT, the Parquet directory to write")

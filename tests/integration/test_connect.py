@@ -1,5 +1,7 @@
-"""Spark Connect as the engine: the core runs over a ``spark_connect`` connection to a real Connect
-server (``local[2]``, on 127.0.0.1, started once per session by ``connect_server``).
+"""Spark Connect as the engine: what is Connect's own, over a ``spark_connect`` connection to a real
+Connect server (``local[2]``, on 127.0.0.1, started once per session by ``connect_server``). The core
+(a callable, a script, failures, two ranks per task, Lightning) runs on both engines in
+``test_training.py``.
 
 The hook starts no spark-submit here: its child is the Connect driver, a Connect client that runs
 the barrier stage as a tagged ``mapInArrow(..., barrier=True)`` job on the server's executors.
@@ -20,23 +22,9 @@ from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
 from tests.integration.connect_server import ConnectServer
 from tests.integration.run_dags import run_in_fresh_airflow
-from tests.integration.test_training import SCRIPT, fail_on_rank_one, lightning_train, train_and_report
+from tests.integration.test_training import train_and_report
 
 pytestmark = pytest.mark.integration
-
-
-def test_a_callable_trains_over_connect_and_rank_zero_returns_tensors(
-    connect_conn: str, capfd: pytest.CaptureFixture[str]
-) -> None:
-    hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
-    result = hook.run(train_and_report, 2.0, offset=1.0)
-    assert (result["rank"], result["world_size"], result["allreduce"]) == (0, 2, 1.0)
-    assert torch.equal(result["tensor"], torch.tensor([1.0, 3.0, 5.0]))
-    assert [(m["rank"], m["step"], m["loss"]) for m in hook.metrics] == [(0, 1, 0.5)]
-    text = "".join(capfd.readouterr())
-    assert "distributed mode over Spark Connect: 2 Spark task(s)" in text
-    assert "[rank 1 @ 127.0.0.1] hello from rank 1 of 2" in text  # live, rank-prefixed lines
-    assert "spark-submit" not in text.replace("spark_submit", "")  # no spark-submit on this path
 
 
 def shard_ids() -> dict | None:
@@ -81,13 +69,6 @@ def test_bad_train_data_over_connect_fails_before_any_rank_starts(connect_conn: 
         hook.run(shard_ids)
 
 
-def test_two_ranks_per_task_over_connect(connect_conn: str) -> None:
-    result = TorchDistributorHook(conn_id=connect_conn, num_processes=2, nproc_per_node=2).run(
-        train_and_report, 1.0
-    )
-    assert (result["world_size"], result["allreduce"]) == (2, 1.0)
-
-
 def test_an_elastic_range_trains_over_connect_on_the_rendezvous_store_of_the_client(
     connect_conn: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -108,38 +89,6 @@ def test_an_elastic_min_the_servers_local_master_cannot_fit_fails_before_any_tas
         match=r"elastic run needs at least 3 task slot\(s\) at once but the cluster has 2 .*local\[2\]",
     ):
         TorchDistributorHook(conn_id=connect_conn, num_processes="3:4").run(train_and_report, 1.0)
-
-
-def test_rank_one_raising_fails_the_run_naming_rank_host_and_exception(connect_conn: str) -> None:
-    with pytest.raises(TrainingFailed) as info:
-        TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(fail_on_rank_one)
-    assert info.value.failed_ranks == [1]
-    message = str(info.value)
-    assert "rank 1 on 127.0.0.1" in message
-    assert "ValueError: rank one refuses to train" in message
-    assert "in fail_on_rank_one" in message
-
-
-def test_a_script_runs_over_connect_and_its_exit_code_fails_the_run(
-    connect_conn: str, tmp_path: Path
-) -> None:
-    script = tmp_path / "train_script.py"
-    script.write_text(SCRIPT)
-    out = tmp_path / "out"
-    out.mkdir()
-    hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
-    assert hook.run(str(script), str(out), "-1") is None
-    assert sorted(json.loads((out / f"rank{r}.json").read_text())["rank"] for r in (0, 1)) == [0, 1]
-    with pytest.raises(TrainingFailed) as info:
-        hook.run(str(script), str(out), "1")
-    assert info.value.failed_ranks == [1]
-    assert "exit code 3" in str(info.value)
-
-
-def test_lightning_over_connect(connect_conn: str) -> None:
-    result = TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(lightning_train)
-    assert (result["global_rank"], result["world_size"]) == (0, 2)
-    assert result["metrics"]["train_loss"] >= 0
 
 
 MODULE_PKG = Path(__file__).parent / "module_pkg" / "torchdist_modtest"

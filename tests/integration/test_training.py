@@ -1,4 +1,9 @@
-"""End to end through TorchDistributorHook: real spark-submit (local[2]), real torchrun agents and ranks."""
+"""End to end through TorchDistributorHook: real torchrun agents and ranks, on both engines.
+
+Each core test runs on the embedded spark-submit path (``local[2]``, local mode and distributed)
+and over Spark Connect (the session's ``local[2]`` Connect server, distributed; local mode cannot
+apply there and says why in its skip). The Connect runs skip ``no_leftovers``: the server's Python
+daemon starts workers that outlive a test by design (``connect_server`` checks its own leftovers)."""
 
 from __future__ import annotations
 
@@ -15,9 +20,32 @@ import torch
 from airflow_provider_torchdist import TorchDistributorHook, report
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, PayloadNotPicklable, TrainingFailed
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("no_leftovers")]
+pytestmark = pytest.mark.integration
 
-MODES = [pytest.param(True, id="local_mode"), pytest.param(False, id="distributed")]
+#: Why a local-mode run has no Connect variant (the README's engine table says it too).
+LOCAL_OVER_CONNECT = (
+    "local mode trains on the Spark driver's machine, and a Connect server's driver runs no user code: "
+    "refused before anything starts (test_connect.py::test_local_mode_over_connect_is_refused_before_anything_starts)"
+)
+#: (engine, local_mode) of the core tests.
+MODES = [
+    pytest.param("spark-submit", True, id="local_mode"),
+    pytest.param("spark-submit", False, id="distributed"),
+    pytest.param("connect", False, id="connect-distributed"),
+    pytest.param("connect", True, id="connect-local_mode", marks=pytest.mark.skip(reason=LOCAL_OVER_CONNECT)),
+]
+#: The engine alone, for distributed-only tests.
+ENGINES = [pytest.param("spark-submit", id="spark-submit"), pytest.param("connect", id="connect")]
+
+
+@pytest.fixture
+def engine(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The hook's ``conn_id`` for the test's engine: the embedded master (``spark_default``, as a
+    new user has it), or a ``spark_connect`` connection to the session's Connect server."""
+    if request.param == "connect":
+        return {"conn_id": request.getfixturevalue("connect_conn")}
+    request.getfixturevalue("no_leftovers")
+    return {}
 
 
 def _allreduce_rank() -> tuple[int, int, float]:
@@ -60,9 +88,11 @@ def fail_on_rank_one() -> int:
     return rank
 
 
-@pytest.mark.parametrize("local_mode", MODES)
-def test_callable_returns_rank_zero_value(local_mode: bool, capfd: pytest.CaptureFixture[str]) -> None:
-    hook = TorchDistributorHook(num_processes=2, local_mode=local_mode, use_gpu=False)
+@pytest.mark.parametrize("engine, local_mode", MODES, indirect=["engine"])
+def test_callable_returns_rank_zero_value(
+    engine: dict[str, str], local_mode: bool, capfd: pytest.CaptureFixture[str]
+) -> None:
+    hook = TorchDistributorHook(num_processes=2, local_mode=local_mode, use_gpu=False, **engine)
     heard: list[list[dict]] = []  # what on_metrics was told while the run trained
     hook.on_metrics = lambda metrics: heard.append(list(metrics))
     result = hook.run(train_and_report, 2.0, offset=1.0)
@@ -78,27 +108,32 @@ def test_callable_returns_rank_zero_value(local_mode: bool, capfd: pytest.Captur
     text = logs.out + logs.err
     assert "[rank 0 @ 127.0.0.1] hello from rank 0 of 2" in text
     assert "[rank 1 @ 127.0.0.1] hello from rank 1 of 2" in text
-    assert f"local[{1 if local_mode else 2}]" in text  # the embedded master, sized for the job
     assert "[metrics] rank 0 step 1: loss=0.5" in text
+    if engine:  # the Connect driver's first line, and no spark-submit on this path
+        assert "distributed mode over Spark Connect: 2 Spark task(s)" in text
+        assert "spark-submit" not in text.replace("spark_submit", "")
+    else:
+        assert f"local[{1 if local_mode else 2}]" in text  # the embedded master, sized for the job
 
 
-def test_two_ranks_in_one_spark_task_split_its_cpus() -> None:
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_two_ranks_in_one_spark_task_split_its_cpus(engine: dict[str, str]) -> None:
     # Spark sets OMP_NUM_THREADS=spark.task.cpus (2) for the task; its 2 ranks get 1 thread each.
-    hook = TorchDistributorHook(num_processes=2, local_mode=False, use_gpu=False, nproc_per_node=2)
+    hook = TorchDistributorHook(num_processes=2, local_mode=False, use_gpu=False, nproc_per_node=2, **engine)
     result = hook.run(train_and_report, 1.0)
     assert (result["world_size"], result["allreduce"]) == (2, 1.0)
     assert result["torch_threads"] == 1
 
 
-@pytest.mark.parametrize("local_mode", MODES)
-def test_rank_one_exception_fails_run_naming_rank(local_mode: bool) -> None:
-    hook = TorchDistributorHook(num_processes=2, local_mode=local_mode)
+@pytest.mark.parametrize("engine, local_mode", MODES, indirect=["engine"])
+def test_rank_one_exception_fails_run_naming_rank(engine: dict[str, str], local_mode: bool) -> None:
+    hook = TorchDistributorHook(num_processes=2, local_mode=local_mode, **engine)
     with pytest.raises(TrainingFailed) as info:
         hook.run(fail_on_rank_one)
 
     assert info.value.failed_ranks == [1]
     message = str(info.value)
-    assert "rank 1" in message
+    assert "rank 1 on 127.0.0.1" in message
     assert "ValueError: rank one refuses to train" in message
     assert "in fail_on_rank_one" in message  # the user's traceback travels with the error
 
@@ -129,11 +164,13 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("local_mode", MODES)
-def test_script_runs_on_every_rank(local_mode: bool, script: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine, local_mode", MODES, indirect=["engine"])
+def test_script_runs_on_every_rank(
+    engine: dict[str, str], local_mode: bool, script: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    hook = TorchDistributorHook(num_processes=2, local_mode=local_mode)
+    hook = TorchDistributorHook(num_processes=2, local_mode=local_mode, **engine)
 
     assert hook.run(str(script), str(out), "-1") is None  # scripts return None, as documented
 
@@ -143,9 +180,11 @@ def test_script_runs_on_every_rank(local_mode: bool, script: Path, tmp_path: Pat
     assert {r["name"] for r in reports} == {"__main__"}
 
 
-@pytest.mark.parametrize("local_mode", MODES)
-def test_script_rank_one_exit_code_fails_run(local_mode: bool, script: Path, tmp_path: Path) -> None:
-    hook = TorchDistributorHook(num_processes=2, local_mode=local_mode)
+@pytest.mark.parametrize("engine, local_mode", MODES, indirect=["engine"])
+def test_script_rank_one_exit_code_fails_run(
+    engine: dict[str, str], local_mode: bool, script: Path, tmp_path: Path
+) -> None:
+    hook = TorchDistributorHook(num_processes=2, local_mode=local_mode, **engine)
     with pytest.raises(TrainingFailed) as info:
         hook.run(str(script), str(tmp_path), "1")
 
@@ -154,6 +193,7 @@ def test_script_rank_one_exit_code_fails_run(local_mode: bool, script: Path, tmp
     assert "exit code 3" in str(info.value)
 
 
+@pytest.mark.usefixtures("no_leftovers")
 def test_unpicklable_callable_fails_before_spark_submit() -> None:
     lock = threading.Lock()
 
@@ -168,6 +208,7 @@ def test_unpicklable_callable_fails_before_spark_submit() -> None:
     assert hook.submission is None  # spark-submit never started
 
 
+@pytest.mark.usefixtures("no_leftovers")
 def test_missing_script_fails_before_spark_submit(tmp_path: Path) -> None:
     hook = TorchDistributorHook(num_processes=2)
     with pytest.raises(InvalidTrainingConfig, match="does not exist"):
@@ -175,6 +216,7 @@ def test_missing_script_fails_before_spark_submit(tmp_path: Path) -> None:
     assert hook.submission is None
 
 
+@pytest.mark.usefixtures("no_leftovers")
 def test_spark_connection_master_is_used(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -233,8 +275,9 @@ def lightning_train() -> dict:
     }
 
 
-def test_lightning_ddp_trainer_across_two_spark_tasks() -> None:
-    result = TorchDistributorHook(num_processes=2, local_mode=False).run(lightning_train)
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_lightning_ddp_trainer_across_two_spark_tasks(engine: dict[str, str]) -> None:
+    result = TorchDistributorHook(num_processes=2, local_mode=False, **engine).run(lightning_train)
     assert result["global_rank"] == 0
     assert result["world_size"] == 2
     assert "train_loss" in result["metrics"]
