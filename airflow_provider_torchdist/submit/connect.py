@@ -11,6 +11,7 @@ unchanged, and the follower, the outcome file and the kill by session work as fo
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
@@ -50,6 +51,12 @@ def check_connect_run(
             f"local_mode=True cannot run {where}: the Connect server's driver runs no user code, and "
             "local mode trains on the Spark driver's machine. Use local_mode=False (the ranks run in "
             "the server's executors), or a 'spark' connection for local mode."
+        )
+    if spec.elastic and importlib.util.find_spec("torch") is None:
+        raise InvalidTrainingConfig(
+            f"an elastic num_processes={spec.num_processes!r} {where} serves its rendezvous store from this "
+            "worker (torch's TCPStore, in the Connect client), and torch is not installed here: install "
+            "torch on the worker, or train with a fixed num_processes, which needs no torch here."
         )
     # Spark settings belong to the server there: its executors, resources and Python are its own.
     if dropped := [name for name in ("conf", "spark_submit_kwargs") if getattr(spec, name)]:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.spark.driver.owner import read_channel_address
-from airflow_provider_torchdist.spark.wire.outcome import OUTCOME_FILE
 from airflow_provider_torchdist.spark.wire.private_files import write_private_text
 from airflow_provider_torchdist.spark.wire.stop_request import stop_declined, write_stop_request
 from airflow_provider_torchdist.supervision.config import EXIT_OK, SupervisorConfig, log, read_plan_text
@@ -43,11 +42,6 @@ from airflow_provider_torchdist.supervision.sweep import ADDRESS_FILE
 
 #: How often a stopping supervisor looks whether the ranks declined the grace period.
 STOP_POLL_S = 0.1
-#: How often the supervisor looks for the driver's outcome while spark-submit runs.
-OUTCOME_POLL_S = 0.05
-#: How long a run concluded from its outcome is given to stop Spark by itself after its release
-#: (the event log written, the executors let go; about a second) before its session is ended.
-SPARK_STOP_WAIT_S = 30.0
 
 
 class RunSupervisor(OwnerRules):
@@ -87,8 +81,6 @@ class RunSupervisor(OwnerRules):
         self._follower: Any = None
         self._ping_interval = ping_interval
         self._tearing_down = False
-        #: The verdict came from the driver's outcome while spark-submit still ran (Spark stopping).
-        self._ended_early = False
         self._run_thread = threading.Thread(target=self._run, name="torchdist-run", daemon=True)
 
     # -- start
@@ -150,16 +142,10 @@ class RunSupervisor(OwnerRules):
                 self.process = process
             self.state.set_running()
             log("spark-submit starts")
-            submitted = threading.Event()
-            threading.Thread(
-                target=self._conclude_on_outcome, args=(submitted,), name="torchdist-outcome", daemon=True
-            ).start()
             try:
                 process.run()
             except Exception as exc:  # AirflowException: spark-submit failed
                 submit_error = exc
-            finally:
-                submitted.set()
             log(f"spark-submit ended{f': {submit_error}' if submit_error else ''}")
         finally:
             if self._follower is not None:
@@ -179,33 +165,11 @@ class RunSupervisor(OwnerRules):
         )
         self._follower.start()
 
-    def _conclude_on_outcome(self, submitted: threading.Event) -> None:
-        """The verdict as soon as the driver's outcome is out: the driver writes it before its
-        SparkContext stops (:func:`~airflow_provider_torchdist.spark.driver.finish.finish`), so the
-        owner has the run's result while Spark shuts down, not after."""
-        path = self.staging_dir / OUTCOME_FILE
-        while not submitted.wait(OUTCOME_POLL_S):
-            if path.exists():
-                with self._cond:
-                    if self._tearing_down:
-                        return
-                    self._ended_early = True
-                log("the driver's outcome is out: the run ends while Spark stops")
-                if self._follower is not None:  # the driver closed its channel first: take its last lines
-                    self._follower.stop()
-                state, details = run_verdict(self.staging_dir, self.config.output_file, None)
-                self._finish(state, **details)
-                return
-
     def _conclude(self, submit_error: BaseException | None) -> None:
         """spark-submit has ended: the run's verdict, as ``hook.run()`` would give it."""
         with self._cond:
             if self._tearing_down:
                 return  # the teardown ended it, and said why
-        if self.state.ended:  # concluded from the driver's outcome already: that verdict stands
-            if submit_error is not None:
-                log(f"spark-submit failed after the driver's outcome was out: {submit_error}")
-            return
         state, details = run_verdict(self.staging_dir, self.config.output_file, submit_error)
         self._finish(state, **details)
 
@@ -265,8 +229,7 @@ class RunSupervisor(OwnerRules):
         grace = self.config.stop_grace_period if running else 0.0
         if self._lock_file is not None:
             # The next run of this task may wait for the lock now, for as long as this stop can take.
-            spark_stop = SPARK_STOP_WAIT_S if self._ended_early else 0.0
-            self._lock_file.mark_ending(time.time() + grace + spark_stop + ENDING_WAIT_S)
+            self._lock_file.mark_ending(time.time() + grace + ENDING_WAIT_S)
         if self.server is not None:
             self.server.stop_accepting()  # a new owner now finds nothing: the run is gone
         stopped = self._stop_gracefully(grace) if grace > 0 else ""
@@ -274,8 +237,6 @@ class RunSupervisor(OwnerRules):
             error = run_error or f"The run was torn down before it ended: {reason}"
             self.state.finish("failed", error=f"{error}{stopped}")
         if process is not None:
-            if self._ended_early and self._run_thread.is_alive():
-                self._run_thread.join(SPARK_STOP_WAIT_S)  # Spark stopping by itself after the outcome
             end_process(process, self._run_thread)
         if self._follower is not None:
             self._follower.stop()

@@ -1,4 +1,4 @@
-"""What the run's supervisor runs, the verdict it reads from the driver's outcome, and how it ends it.
+"""What the run's supervisor runs, the verdict it reads when spark-submit ends, and how it ends it.
 
 :class:`RunProcess` is spark-submit as the supervisor sees it (the plan's
 :class:`~airflow_provider_torchdist.submit.spark_submit.Submission`, from :func:`submission_of`, or a test's
@@ -81,8 +81,8 @@ def forward_logs(on_line: Callable[[str], Any]) -> None:
 def run_verdict(
     staging_dir: Path, output_file: Path | None, submit_error: BaseException | None
 ) -> tuple[str, dict[str, Any]]:
-    """The driver's outcome is out, or spark-submit has ended: the run's end state and its details
-    (for ``RunState.finish``), as ``hook.run()`` would judge it. ``output_file`` is rank 0's output file (None for a script)."""
+    """spark-submit has ended: the run's end state and its details (for ``RunState.finish``), as
+    ``hook.run()`` would judge it. ``output_file`` is rank 0's output file (None for a script)."""
     from airflow_provider_torchdist.spark.wire.outcome import OUTCOME_FILE, Outcome
     from airflow_provider_torchdist.spark.wire.output_store import OutputManifest
 

@@ -18,10 +18,7 @@ and ``<staging>/plan.json`` (``SubmitPlan.to_json()``), then:
 4. runs spark-submit (:class:`~airflow_provider_torchdist.submit.spark_submit.Submission`) and follows the
    driver (:class:`~airflow_provider_torchdist.submit.follow.RunFollower`), keeping the last log
    lines, the application and the metrics for its owners;
-5. once the driver's outcome is out (it is written before the driver's SparkContext stops), reads
-   it and keeps rank 0's output until an owner releases it; Spark stops meanwhile, and is left to
-   end by itself after the release (up to ``SPARK_STOP_WAIT_S``). No outcome when spark-submit ends:
-   the run failed with spark-submit's error.
+5. when spark-submit ends, reads the outcome and keeps rank 0's output until an owner releases it.
 
 **Owners.** At most one at a time: a new authenticated owner replaces the old one. An owner is
 lost when its connection closes, or it is silent for ``OWNER_SILENCE_S``, without ``detach`` or

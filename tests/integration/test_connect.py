@@ -22,7 +22,7 @@ from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed, TrainingFailed
 from tests.integration.connect_server import ConnectServer
 from tests.integration.run_dags import run_in_fresh_airflow
-from tests.integration.test_training import train_and_report
+from tests.integration.test_training import fail_on_rank_one, train_and_report
 
 pytestmark = pytest.mark.integration
 
@@ -81,6 +81,19 @@ def test_an_elastic_range_trains_over_connect_on_the_rendezvous_store_of_the_cli
     text = "".join(capfd.readouterr())
     assert "elastic mode over Spark Connect: 1 to 2 ranks, 2 Spark task(s) x 1 process(es)" in text
     assert "rendezvous store on 127.0.0.1:" in text
+
+
+def test_a_rank_raising_in_an_elastic_run_over_connect_fails_it_with_that_error_not_a_loss(
+    connect_conn: str,
+) -> None:
+    """Rank 1's exception stops the run; the node that Spark then stops is no loss to restart for,
+    nor a reason in the verdict."""
+    hook = TorchDistributorHook(conn_id=connect_conn, num_processes="1:2", join_window=10, max_restarts=0)
+    with pytest.raises(TrainingFailed) as info:
+        hook.run(fail_on_rank_one)
+    message = str(info.value)
+    assert "ValueError: rank one refuses to train" in message
+    assert "could not go on" not in message and "lost" not in message, message
 
 
 def test_an_elastic_min_the_servers_local_master_cannot_fit_fails_before_any_task(connect_conn: str) -> None:
@@ -327,6 +340,13 @@ def test_the_example_dags_train_over_connect_switched_by_the_connection_alone(
         -5000:
     ]
     assert "Spark-Submit cmd" not in output
+    # What the Training view shows of a finished run (its XCom history), as on the spark-submit path.
+    from airflow_provider_torchdist.operators.xcom import METRICS_XCOM_KEY
+    from tests.integration.test_dags import xcom
+
+    run = states["retrain_pipeline"]
+    history = xcom(home / "airflow.db", "retrain_pipeline", run["run_id"], "train", METRICS_XCOM_KEY)
+    assert history and all({"rank", "step"} <= set(m) for m in history), history
     assert (home / "models" / "current.pt").exists()  # retrain_pipeline promoted its first model
     for rank in (0, 1):
         assert f"script rank {rank}/2 done: weight" in output

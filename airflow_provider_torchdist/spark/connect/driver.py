@@ -137,24 +137,27 @@ def run_connect(spec: JobSpec, staging: Path, url: str, py_files: list[str] | No
     inside the job); returns the run's outcome. An elastic run goes to :mod:`.elastic`."""
     with tagged_session(url, spec.run_id) as (spark, cancel):
         owner_token = read_owner_token(staging)
+        # Where the server's driver runs is the route to it, unless the server hides it.
+        host = channel_host(
+            url, server_setting(spark, "spark.driver.host", None), os.environ.get(CHANNEL_HOST_ENV)
+        )
+        # The run channel with the settings every Connect run shares; ``on_failure`` and the rest
+        # are the engine mode's.
         open_channel = functools.partial(
             RunChannel,
             spec.token,
-            # Where the server's driver runs is the route to it, unless the server hides it.
-            channel_host(
-                url, server_setting(spark, "spark.driver.host", None), os.environ.get(CHANNEL_HOST_ENV)
-            ),
+            host,
             staging,
-            cancel,
             owner_token=owner_token,
             echo_stdout=owner_token is None,
             rank_filter=rank_filter(spec.log_ranks, staging),
         )
         if spec.elastic:
-            return run_connect_elastic(spark, spec, staging, open_channel, cancel, py_files or [])
+            return run_connect_elastic(spark, spec, staging, host, open_channel, cancel, py_files or [])
         nproc = spec.nproc_per_node
         conflicts: list[str] = []
         channel = open_channel(
+            cancel,
             ranks_of_node=lambda n: range(n * nproc, (n + 1) * nproc),
             verify_node=ConnectVerifier(
                 spec.num_nodes, on_conflict=lambda text: (conflicts.append(text), cancel())

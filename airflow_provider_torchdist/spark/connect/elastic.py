@@ -41,7 +41,7 @@ from airflow_provider_torchdist.spark.connect.job import (
 from airflow_provider_torchdist.spark.connect.node_task import connect_elastic_task
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
 from airflow_provider_torchdist.spark.driver.spark_context import first_line
-from airflow_provider_torchdist.spark.wire.channel_auth import Node
+from airflow_provider_torchdist.spark.wire.channel_auth import Node, NodeRegistry
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spark.wire.outcome import Outcome
@@ -51,32 +51,31 @@ def run_connect_elastic(
     spark: Any,
     spec: JobSpec,
     staging: Path,
+    host: str,
     open_channel: Callable[..., RunChannel],
     cancel: Callable[[], None],
     py_files: list[str],
 ) -> Outcome:
-    """The elastic job over the Connect session ``spark``; ``open_channel`` makes the run channel
-    with the settings every Connect run shares. Returns the run's outcome."""
-    from airflow_provider_torchdist.spark.elastic.run import ElasticMonitor, elastic_verdict
+    """The elastic job over the Connect session ``spark``: the rendezvous store and the run channel
+    (``open_channel(on_failure, ...)``, with the settings every Connect run shares) on ``host``, the
+    address the executors reach. Returns the run's outcome."""
+    from airflow_provider_torchdist.spark.elastic.run import elastic_verdict
     from airflow_provider_torchdist.spark.elastic.task import RendezvousStore
 
     # The store needs torch (about a second to import): while the server checks the payload.
     threading.Thread(target=importlib.import_module, args=("torch.distributed",), daemon=True).start()
     entry, shipped = job_payload(spark, spec, staging, py_files)
-
-    def node_gone(node: Node) -> None:
-        # One loss per registration: a node that Spark's retry brought back may be lost again.
-        monitor.lost({f"node {node.node}, registration {node.attempt}": node.shown or node.host})
-
+    store = RendezvousStore(host, timeout=spec.rendezvous_timeout + 60, token=spec.token)
+    watch = NodeWatch(spec, store, cancel, say=lambda text: channel.say(text))
     channel = open_channel(
+        watch.stop,
         # The rendezvous gives out the global ranks anew in every generation.
         ranks_of_node=lambda _: range(spec.max_processes),
-        verify_node=ConnectVerifier(spec.num_nodes, retried=True),
-        on_world_size=lambda size: monitor.world_size(size),
-        on_node_gone=node_gone,
+        verify_node=watch.verifier,
+        on_world_size=watch.monitor.world_size,
+        on_node_gone=watch.node_gone,
     )
-    store = RendezvousStore(channel.address[0], timeout=spec.rendezvous_timeout + 60, token=spec.token)
-    monitor = ElasticMonitor(spec, store, cancel, say=channel.say)
+    watch.registry = channel.registry
     with channel:
         open_connect_run(
             channel,
@@ -89,8 +88,9 @@ def run_connect_elastic(
         task = functools.partial(
             connect_elastic_task, spec, channel.address, store.address, str(staging), entry, shipped
         )
-        results, error = _run_job(spark, spec, channel, cancel, task)
-        error = elastic_verdict(spec, monitor, channel.failures, channel.say) or error
+        results, error = _run_job(spark, spec, channel, watch.stop, task)
+        watch.stopping.set()
+        error = elastic_verdict(spec, watch.monitor, channel.failures, channel.say) or error
         emit("channel_close")
     emit("channel_closed")
     return Outcome(
@@ -99,8 +99,41 @@ def run_connect_elastic(
         error=error,
         hosts=sorted({r["host"] for r in map(json.loads, results)}),
         metrics=channel.metrics,
-        world_sizes=monitor.history.entries,
+        world_sizes=watch.monitor.history.entries,
     )
+
+
+class NodeWatch:
+    """An elastic run's view of its nodes over Spark Connect: the monitor (losses, restarts, the
+    history), the verifier (which node may be claimed again), and a latch that ends the counting of
+    losses once the run stops (a failure, a timeout, its end): the nodes Spark then stops are no
+    losses, and must neither restart the others nor enter the history."""
+
+    def __init__(
+        self, spec: JobSpec, store: Any, cancel: Callable[[], None], say: Callable[[str], None]
+    ) -> None:
+        from airflow_provider_torchdist.spark.elastic.run import ElasticMonitor
+
+        self.stopping = threading.Event()
+        self._cancel = cancel
+        self.monitor = ElasticMonitor(spec, store, self.stop, say=say)
+        self.verifier = ConnectVerifier(spec.num_nodes, on_conflict=say, retries=spec.max_restarts + 1)
+        #: The run channel's registry of nodes, once the channel is open.
+        self.registry: NodeRegistry | None = None
+
+    def stop(self) -> None:
+        """Stop the run: its job is cancelled, and no node counts as lost from now on."""
+        self.stopping.set()
+        self._cancel()
+
+    def node_gone(self, node: Node) -> None:
+        """A node's agent is gone (its connection closed without a goodbye, or it said it left)."""
+        # Only the node's latest registration counts: an earlier one (a host that froze, then came
+        # back) may close long after Spark's retry took its place.
+        if self.stopping.is_set() or self.registry is None or self.registry.current(node.node) is not node:
+            return
+        self.verifier.release(node.node)
+        self.monitor.lost({f"node {node.node}, registration {node.attempt}": node.shown or node.host})
 
 
 def _run_job(

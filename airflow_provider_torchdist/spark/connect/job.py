@@ -30,24 +30,47 @@ class ConnectVerifier:
     proved in the hello). A second claim of a node is refused and stops the run: Spark retried a
     task of the barrier stage (which cannot go on without it), or someone else holds the token.
 
-    ``retried``: an elastic run's node comes back when Spark retries its lost task, as a new task
-    attempt on any host, so a later claim is accepted (the registry refuses a task attempt twice)."""
+    ``retries``: an elastic run's lost node comes back when Spark retries its task, as a new task
+    attempt on any host. A node may then be claimed again, at most ``retries`` times, and each time
+    only once its previous agent is gone (:meth:`release`). Over Connect the task attempt is the
+    node's own word, not the scheduler's, so this is what keeps a token holder from taking over a
+    node that is still in the run."""
 
-    def __init__(self, nodes: int, on_conflict: Any = None, retried: bool = False) -> None:
+    def __init__(self, nodes: int, on_conflict: Any = None, retries: int = 0) -> None:
         self._count = nodes
         self._on_conflict = on_conflict
-        self._retried = retried
+        self._retries = retries
         self._lock = threading.Lock()
         self._nodes: dict[int, str] = {}
+        self._released: set[int] = set()
+        self._reclaims: dict[int, int] = {}
+
+    def release(self, node: int) -> None:
+        """Node ``node``'s agent left the run (its process died, or Spark stopped it): a retry of
+        its task may claim it again."""
+        with self._lock:
+            if node in self._nodes:
+                self._released.add(node)
 
     def __call__(self, node: int, task_attempt: int, peer_ip: str) -> str:
         if not 0 <= node < self._count:
             raise HelloRefused(f"node {node} is not one of this run's {self._count} node(s)")
         with self._lock:
             first = self._nodes.get(node)
-            if first is None or self._retried:
+            again = (
+                first is not None and node in self._released and self._reclaims.get(node, 0) < self._retries
+            )
+            if first is None or again:
                 self._nodes[node] = peer_ip
+                self._released.discard(node)
+                self._reclaims[node] = self._reclaims.get(node, 0) + (1 if again else 0)
                 conflict = None
+            elif self._retries:
+                conflict = (
+                    f"node {node} claimed again (task attempt {task_attempt} from {peer_ip}) while its agent "
+                    f"from {first} is still in the run, or past its {self._retries} comeback(s): refused; "
+                    "Spark retried the task of a host that froze, or someone else holds the run's token"
+                )
             else:
                 conflict = (
                     f"node {node} registered a second time (task attempt {task_attempt} from {peer_ip}; first "

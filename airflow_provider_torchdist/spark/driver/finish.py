@@ -14,8 +14,8 @@ def finish(outcome: Outcome, staging: Path) -> int:
     """Write the outcome for the hook, say it, and return the exit code; once per run (a second
     call returns the first one's code).
 
-    A run on a cluster finishes while its SparkContext is still up: a supervised run's owner has
-    its result from the outcome file while Spark stops (about a second nobody has to wait for)."""
+    A run on a cluster finishes while its SparkContext is still up, so that its outcome stays
+    whatever stopping Spark then does (``app.main`` keeps it if the stop fails)."""
     if staging in _FINISHED:
         return _FINISHED[staging]
     _FINISHED[staging] = code = _write_and_say(outcome, staging)

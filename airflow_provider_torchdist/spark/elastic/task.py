@@ -52,6 +52,7 @@ class RendezvousStore:
 
         self._key = run_key(token, "restart")
         self._restarts = 0
+        self._lock = threading.Lock()  # losses are reported from several threads at once
 
         listener = listen_on(host, 0)
         port = listener.getsockname()[1]
@@ -72,10 +73,11 @@ class RendezvousStore:
         returns the count of such requests. Signed: the store has no authentication."""
         from airflow_provider_torchdist.spark.node.signed_rendezvous import seal
 
-        self._restarts += 1
-        request = json.dumps({"n": self._restarts, "before": lost_at}).encode()
-        self._store.set(RESTART_KEY, seal(self._key, request))
-        return self._restarts
+        with self._lock:
+            self._restarts += 1
+            request = json.dumps({"n": self._restarts, "before": lost_at}).encode()
+            self._store.set(RESTART_KEY, seal(self._key, request))
+            return self._restarts
 
 
 class RestartWatch:

@@ -214,6 +214,11 @@ class NodeRegistry:
             raise HelloRefused(f"rank {rank} of node {node_id} connected from {peer_ip}, not {node.host}")
         return node
 
+    def current(self, node: int) -> Node | None:
+        """The node's latest registration (an earlier one's connection may still close late)."""
+        with self._lock:
+            return self._nodes.get(node)
+
     def host_of(self, node: int) -> str | None:
         """The node's host as the log shows it, None when it is not registered."""
         with self._lock:

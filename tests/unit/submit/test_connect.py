@@ -115,12 +115,34 @@ def test_the_verifier_takes_each_node_once_on_the_host_it_connects_from() -> Non
     assert len(conflicts) == 1
 
 
-def test_an_elastic_runs_verifier_takes_a_node_again_when_spark_retried_its_task() -> None:
-    verify = ConnectVerifier(2, on_conflict=pytest.fail, retried=True)
+def test_an_elastic_runs_verifier_takes_a_node_again_only_once_its_agent_is_gone_and_not_forever() -> None:
+    said: list[str] = []
+    verify = ConnectVerifier(2, on_conflict=said.append, retries=1)
     assert verify(1, 12, "10.0.0.6") == "10.0.0.6"
+    # A token holder's claim while the node's agent is still in the run: refused, the run goes on.
+    with pytest.raises(HelloRefused, match="node 1 claimed again .* still in the run"):
+        verify(1, 13, "10.0.0.9")
+    verify.release(1)  # its agent died
     assert verify(1, 15, "10.0.0.5") == "10.0.0.5"  # its lost task's retry, on another host
+    verify.release(1)
+    with pytest.raises(HelloRefused, match="past its 1 comeback"):
+        verify(1, 16, "10.0.0.5")
     with pytest.raises(HelloRefused, match="node 2 is not one of this run's 2 node"):
-        verify(2, 16, "10.0.0.8")
+        verify(2, 17, "10.0.0.8")
+    assert len(said) == 2
+
+
+def test_an_elastic_range_over_connect_needs_torch_on_the_worker(monkeypatch, listening) -> None:
+    import importlib.util
+
+    _connect_hook(monkeypatch, listening)
+    hook = TorchDistributorHook(conn_id="sc", num_processes="1:2")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
+    )
+    with pytest.raises(InvalidTrainingConfig, match="serves its rendezvous store from this worker"):
+        check_connect_run(hook.spec, hook.target)
 
 
 def test_the_token_is_taken_out_of_an_error_that_quotes_the_url() -> None:
@@ -476,3 +498,35 @@ def test_the_users_py_files_go_to_the_connect_driver_but_not_the_providers_own_z
     (command,) = commands
     assert command[-2:] == [*plan.application_args, str(helper)]
     assert not any(SPARK_ZIP in arg or "s3cret" in arg for arg in command)
+
+
+def test_an_elastic_runs_node_watch_counts_a_lost_node_once_and_nothing_after_the_run_stopped() -> None:
+    """A node's latest registration that goes counts (the survivors restart, the history notes it,
+    Spark's retry may claim it again); an earlier registration's late close, or anything once the
+    run has stopped (the nodes Spark then stops), does not."""
+    from airflow_provider_torchdist.spark.connect.elastic import NodeWatch
+    from airflow_provider_torchdist.spark.wire.channel_auth import NodeRegistry
+    from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
+
+    class Store:
+        restarts: list[float] = []
+
+        def restart_survivors(self, lost_at: float) -> int:
+            self.restarts.append(lost_at)
+            return len(self.restarts)
+
+    spec = JobSpec(kind="callable", entry="payload.pkl", num_processes="1:2", run_id="r", token="t")
+    cancelled: list[bool] = []
+    store = Store()
+    watch = NodeWatch(spec, store, lambda: cancelled.append(True), say=lambda _: None)
+    watch.registry = NodeRegistry(lambda _: range(2), watch.verifier)
+    first = watch.registry.register(1, 11, "10.0.0.6")
+    watch.node_gone(first)
+    watch.node_gone(first)  # its NodeLeft, then its connection closing: one loss
+    assert len(store.restarts) == 1 and [h for _, h in watch.monitor.history.losses] == ["10.0.0.6"]
+    second = watch.registry.register(1, 12, "10.0.0.5")  # Spark's retry: released, so taken
+    watch.node_gone(first)  # the first registration again: not the node's latest
+    assert len(store.restarts) == 1
+    watch.stop()
+    watch.node_gone(second)  # stopped by the run's own stop: no loss
+    assert len(store.restarts) == 1 and cancelled == [True]

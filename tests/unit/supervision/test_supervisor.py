@@ -334,23 +334,6 @@ def final_status(h: Harness):
         return [e for e in owner.events() if isinstance(e, DoneEvent)][0].status
 
 
-def test_the_run_ends_once_the_drivers_outcome_is_out_and_spark_then_stops_by_itself(harness):
-    """The driver writes its outcome before its SparkContext stops: the owner has the result then,
-    and after the release spark-submit is left to end by itself (not killed) before the teardown."""
-    h = harness(durable=True, reattach=30)
-    publish_value(7, h.staging)
-    Outcome(ok=True).write(h.staging)  # spark-submit runs on: Spark is stopping
-    wait_until(lambda: h.supervisor.state.ended, 5, "the verdict from the driver's outcome")
-    with h.owner() as owner:
-        status = [e for e in owner.events() if isinstance(e, DoneEvent)][0].status
-        assert status.state == "succeeded" and h.supervisor.process is h.run
-        owner.release()
-    assert stays_up(h, 0.5)  # waiting for spark-submit's own end
-    h.run.end()
-    h.wait_torn_down()
-    assert not h.run.killed.is_set()
-
-
 def test_failed_ranks_are_the_verdict(harness):
     h = harness(durable=True, reattach=30)
     failure = RankFailure(rank=1, host="h", exc_type="ValueError", message="bad", traceback="tb")
