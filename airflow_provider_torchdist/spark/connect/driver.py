@@ -32,8 +32,8 @@ from airflow_provider_torchdist.spark.app import hosts_of, started
 from airflow_provider_torchdist.spark.connect.elastic import run_connect_elastic
 from airflow_provider_torchdist.spark.connect.job import (
     ConnectVerifier,
-    OperationAnnouncer,
     SlotWatch,
+    followed,
     job_payload,
     open_connect_run,
     server_setting,
@@ -210,24 +210,16 @@ def run_job(
     task = functools.partial(connect_node_task, spec, channel.address, str(staging), entry, shipped, data)
     emit("barrier_stage_submitted")
     watch = SlotWatch(channel, spec.num_nodes, spec.slot_timeout, cancel, after_shuffle=data is not None)
-    spark.registerProgressHandler(watch.progress)
-    # The server's application, for the log and the links.
-    announce = OperationAnnouncer(channel, server_setting(spark, "spark.app.id", None), spark.session_id)
-    spark.registerProgressHandler(announce.progress)
     results: list[str] = []
     error = None
     try:
-        with watch:
+        with followed(spark, channel, watch):
             rows = stage.mapInArrow(task, "result string", barrier=True).collect()
         results = [row["result"] for row in rows]
     except Exception as exc:
         # A rank's report is the story; Connect's is only the interruption.
         error = watch.error or (conflicts[0] if conflicts else None)
         error = error or (None if channel.failures else first_line(exc))
-    finally:
-        spark.removeProgressHandler(announce.progress)
-        spark.removeProgressHandler(watch.progress)
-        announce.last_call()
     emit("barrier_stage_done")
     return results, error
 

@@ -32,11 +32,10 @@ from typing import Any
 
 from airflow_provider_torchdist.spark.connect.job import (
     ConnectVerifier,
-    OperationAnnouncer,
     SlotWatch,
+    followed,
     job_payload,
     open_connect_run,
-    server_setting,
 )
 from airflow_provider_torchdist.spark.connect.node_task import connect_elastic_task
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
@@ -143,18 +142,12 @@ def _run_job(
     (None when it succeeded, or when a rank's report tells the story)."""
     stage = spark.range(spec.num_nodes, numPartitions=spec.num_nodes)
     watch = SlotWatch(channel, spec.min_nodes, spec.slot_timeout, cancel, elastic=True)
-    announce = OperationAnnouncer(channel, server_setting(spark, "spark.app.id", None), spark.session_id)
-    spark.registerProgressHandler(watch.progress)
-    spark.registerProgressHandler(announce.progress)
     emit("elastic_stage_submitted")
     try:
-        with watch:
+        with followed(spark, channel, watch):
             rows = stage.mapInArrow(task, "result string").collect()
         return [row["result"] for row in rows], None
     except Exception as exc:
         return [], watch.error or (None if channel.failures else first_line(exc))
     finally:
-        spark.removeProgressHandler(announce.progress)
-        spark.removeProgressHandler(watch.progress)
-        announce.last_call()
         emit("elastic_stage_done")

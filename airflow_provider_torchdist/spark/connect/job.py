@@ -9,6 +9,7 @@ import contextlib
 import re
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,22 @@ class SlotWatch:
                 self._channel.say(
                     f"waiting for {self._needed - started} of {self._needed} {kind} to start: {why}"
                 )
+
+
+@contextlib.contextmanager
+def followed(spark: Any, channel: RunChannel, watch: SlotWatch) -> Iterator[None]:
+    """While the job runs: the server's progress reports go to ``watch`` (are its tasks starting?)
+    and to an :class:`OperationAnnouncer` (the application and operation, for the run's owners)."""
+    announce = OperationAnnouncer(channel, server_setting(spark, "spark.app.id", None), spark.session_id)
+    spark.registerProgressHandler(watch.progress)
+    spark.registerProgressHandler(announce.progress)
+    try:
+        with watch:
+            yield
+    finally:
+        spark.removeProgressHandler(announce.progress)
+        spark.removeProgressHandler(watch.progress)
+        announce.last_call()
 
 
 def open_connect_run(channel: RunChannel, staging: Path, mode: str) -> None:
