@@ -225,6 +225,8 @@ def _elastic_loss_error(
             f"fewer than MIN={spec.min_processes} ranks remained and no replacement joined within "
             f"rendezvous_timeout={spec.rendezvous_timeout}s"
         )
-    else:
+    elif any(f.rank is not None for f in failures):  # the agent gave up on its ranks
         why = f"a node used up its max_restarts={spec.max_restarts} (each loss costs every survivor one)"
+    else:  # no rank failed: the agent itself did, with the error that follows
+        why = "a surviving node's torchrun agent failed while the survivors regrouped"
     return f"the elastic run could not go on after losing {history.describe_losses()}: {why}"

@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -143,16 +143,52 @@ def stop_workers_started_before(seen_at: float) -> list[int]:
 
     SIGKILL, because a rank blocked in a collective does not run Python signal handlers. The
     agent sees the workers fail and restarts them (one of ``max_restarts``).
+
+    A rank that is failing on its own (its peer's host just went) may be writing torchelastic's
+    error file when the request comes, and torch writes it in place. Killed mid-write, it would
+    leave a truncated file that fails the agent itself (``JSONDecodeError`` reading it, in
+    ``ProcessFailure``) instead of a restart. So the workers are frozen first (SIGSTOP), and an error
+    file one of them still holds open that does not parse is removed before the SIGKILL: the agent
+    then sees a worker killed by a signal, and restarts it.
     """
     import psutil
 
-    stopped = []
+    workers = []
     for child in psutil.Process().children():
         with contextlib.suppress(psutil.Error):
             if child.create_time() < seen_at:
-                child.send_signal(signal.SIGKILL)
-                stopped.append(child.pid)
-    return stopped
+                child.suspend()
+                workers.append(child)
+    for child in workers:
+        with contextlib.suppress(psutil.Error):
+            _wait_stopped(child)
+            for held in child.open_files():
+                if os.path.basename(held.path) == "error.json" and not _parses(held.path):
+                    with contextlib.suppress(OSError):
+                        os.unlink(held.path)
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    return [child.pid for child in workers]
+
+
+def _wait_stopped(process: Any, timeout: float = 2.0) -> None:
+    """Until ``process`` is stopped (a signal is delivered, not acted on, when ``kill`` returns)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while (
+        process.status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE) and time.monotonic() < deadline
+    ):
+        time.sleep(0.005)
+
+
+def _parses(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as file:
+            json.load(file)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def elastic_task(

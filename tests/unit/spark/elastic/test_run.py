@@ -234,6 +234,56 @@ def test_a_bump_of_the_drivers_counter_stops_the_workers_the_agent_had(tmp_path)
         agent.wait()
 
 
+MID_WRITE = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, time
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    from airflow_provider_torchdist.spark.elastic.task import stop_workers_started_before
+
+    root = sys.argv[1]
+    # A rank killed while torch writes its error file in place: open, part written, not closed.
+    writing = os.path.join(root, "0", "error.json")
+    # A rank that wrote its error file whole, and is killed before it exits.
+    written = os.path.join(root, "1", "error.json")
+    code = (
+        "import json, sys, time; f = open(sys.argv[1], 'w'); f.write('{\\"message\\": {\\"mess');"
+        "f.flush(); time.sleep(60)"
+    )
+    whole = "import json, sys, time; json.dump({'message': 'ValueError: boom'}, open(sys.argv[1], 'w')); time.sleep(60)"
+    for path in (writing, written):
+        os.makedirs(os.path.dirname(path))
+    workers = [subprocess.Popen([sys.executable, "-c", c, p]) for c, p in ((code, writing), (whole, written))]
+    while not all(os.path.getsize(p) if os.path.exists(p) else 0 for p in (writing, written)):
+        time.sleep(0.05)
+    time.sleep(0.2)
+    stopped = stop_workers_started_before(time.time() + 1)
+    for w, path in zip(workers, (writing, written)):
+        # What the agent does next with a dead worker: read its error file.
+        failure = ProcessFailure(local_rank=0, pid=w.pid, exitcode=w.wait(), error_file=path)
+        print(json.dumps([w.pid in stopped, failure.exitcode, failure.message]), flush=True)
+    """
+)
+
+
+def test_a_rank_killed_while_writing_its_error_file_does_not_fail_its_agent(tmp_path) -> None:
+    """Hunt 21: a survivor's rank, failing on its lost peer, was SIGKILLed by the restart request
+    while torch wrote its error file in place; the agent then failed reading the truncated file
+    (JSONDecodeError), where it should have restarted the worker."""
+    done = subprocess.run(
+        [sys.executable, "-c", MID_WRITE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.getcwd(),
+    )
+    assert done.returncode == 0, done.stderr
+    killed_mid_write, killed_after = (json.loads(line) for line in done.stdout.splitlines())
+    assert killed_mid_write[:2] == [True, -9]
+    assert killed_mid_write[2].startswith("Signal 9 (SIGKILL) received by PID")
+    assert killed_after[:2] == [True, -9]
+    assert "ValueError: boom" in killed_after[2]  # a whole error file is kept: the rank's own error
+
+
 def test_the_drivers_store_listens_only_on_its_address() -> None:
     import psutil
 
@@ -385,3 +435,36 @@ def test_a_decommissioned_node_that_left_restarts_every_rank_now_and_its_executo
     assert any(
         "elastic: the node on 10.0.0.12 left at" in line and "(decommissioned)" in line for line in lines
     )
+
+
+@pytest.mark.parametrize(
+    ("failure", "why"),
+    [
+        (dict(rank=None, exc_type="RendezvousTimeout"), "fewer than MIN=2 ranks remained"),
+        (dict(rank=1, exc_type="RuntimeError"), "a node used up its max_restarts=3"),
+        # Hunt 21: the agent failed on its own; "out of restarts" would have been wrong.
+        (dict(rank=None, exc_type="JSONDecodeError"), "a surviving node's torchrun agent failed"),
+    ],
+)
+def test_the_verdict_after_a_loss_says_why_the_run_could_not_go_on(failure, why) -> None:
+    from types import SimpleNamespace
+
+    from airflow_provider_torchdist.spark.elastic.run import elastic_verdict
+    from airflow_provider_torchdist.spark.wire.outcome import RankFailure
+
+    history = WorldSizeHistory()
+    history.generation(2)
+    history.node_lost("10.0.0.12", at=0.0)
+    said: list[str] = []
+    failures = [RankFailure(host="10.0.0.11", message="m", **failure)]
+    error = elastic_verdict(
+        _spec(num_processes="2:3", max_restarts=3),
+        SimpleNamespace(gave_up=False, history=history),
+        failures,
+        said.append,
+    )
+    assert error == said[0]
+    assert error.startswith(
+        "the elastic run could not go on after losing the node on 10.0.0.12 (lost at 00:00:00 UTC): "
+    )
+    assert why in error
