@@ -694,6 +694,41 @@ def _chaos(sec: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def _steady_state(sec: dict[str, Any]) -> list[str]:
+    st = sec["stats"]
+    names = {
+        "torchrun": "raw `torchrun --standalone --nproc_per_node=2`, each rank reading its half of the Parquet files",
+        "operator_path": "this project, `start_run` + `follow` (the operator's path), `train_data` + `rank_batches`",
+    }
+    lines = [
+        "### Steady state: a small transformer LM",
+        "",
+        f"`python bench/steady_state.py --rounds {sec['rounds']}`: a causal transformer language model "
+        f"(`bench/workloads/lm_train.py`) on a synthetic token set of sequences of {sec['seq']} tokens, "
+        f"{sec['steps']} steps of batch {sec['batch']} per rank, 2 ranks on gloo, the same model and data both "
+        "ways. Tokens/s: all ranks together, after the first 10 steps. First step: from the launcher's fork to "
+        "the end of rank 0's first step.",
+        "",
+    ]
+    rows = [
+        [
+            names.get(name, name),
+            _s(v["median_tokens_per_s"], 0),
+            _s(v["median_first_step_s"]),
+            _s(v["median_wall_s"]),
+            f"{v['n']}/{sec['rounds']}",
+        ]
+        for name, v in st.items()
+    ]
+    ratio = sec.get("ratio_tokens_per_s")
+    verdict = _verdict(None if ratio is None else ratio >= sec["goal"])
+    return (
+        lines
+        + _table(["launcher", "tokens/s (median)", "first step s", "wall s", "ok"], rows)
+        + ["", f"Operator path / raw torchrun, tokens/s: {_s(ratio)} (goal >= {sec['goal']}: {verdict}).", ""]
+    )
+
+
 def render(results: dict[str, Any]) -> str:
     """Every result, as the markdown of ``docs/benchmarks.md``'s results section."""
     lines = ["## Results", ""]
@@ -710,6 +745,7 @@ def render(results: dict[str, Any]) -> str:
         ("scaling", _scaling),
         ("elastic", _elastic),
         ("data_path", _data_path),
+        ("steady_state", _steady_state),
         ("chaos", _chaos),
     ):
         if key == "launch_changes":
