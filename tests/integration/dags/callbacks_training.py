@@ -41,24 +41,26 @@ def train_transformers() -> dict[str, Any]:
     )
     ids = torch.randint(0, 32, (64, 8), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": row, "labels": row} for row in ids]
-    args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="hf-trainer-"),
-        per_device_train_batch_size=4,  # 64 samples over 2 ranks: 8 steps an epoch
-        num_train_epochs=2,
-        logging_steps=2,
-        learning_rate=1e-3,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-    )
-    trainer = Trainer(
-        model=GPT2LMHeadModel(config),
-        args=args,
-        train_dataset=data,
-        callbacks=[TransformersReportCallback()],
-    )
-    trainer.train()
+    # The Trainer wants an output directory even when it saves nothing: one of its own, removed after.
+    with tempfile.TemporaryDirectory(prefix="hf-trainer-") as output_dir:
+        args = TrainingArguments(
+            output_dir=output_dir,
+            per_device_train_batch_size=4,  # 64 samples over 2 ranks: 8 steps an epoch
+            num_train_epochs=2,
+            logging_steps=2,
+            learning_rate=1e-3,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        trainer = Trainer(
+            model=GPT2LMHeadModel(config),
+            args=args,
+            train_dataset=data,
+            callbacks=[TransformersReportCallback()],
+        )
+        trainer.train()
     return {
         "world_size": args.world_size,
         "rank": args.process_index,
