@@ -937,6 +937,21 @@ def render_summary(results: dict[str, Any]) -> str:
                     "; ".join(verdicts) or "–",
                 ]
             )
+    if "steady_state" in results:
+        sec = results["steady_state"]
+        ours, raw = sec["stats"].get("operator_path", {}), sec["stats"].get("torchrun", {})
+        if ours.get("n") and raw.get("n"):
+            ratio = sec.get("ratio_tokens_per_s")
+            rows.append(
+                [
+                    "Steady state: a small transformer LM fed by `train_data`, through the operator's path",
+                    f"{_s(ours['median_tokens_per_s'], 0)} tokens/s; first step after "
+                    f"{_s(ours['median_first_step_s'])} s",
+                    f"{_s(ratio)} x raw torchrun reading local Parquet ({_s(raw['median_tokens_per_s'], 0)} "
+                    f"tokens/s; first step after {_s(raw['median_first_step_s'])} s)",
+                    f">= {sec['goal']} x: {_verdict(None if ratio is None else ratio >= sec['goal'])}",
+                ]
+            )
     lines += _table(["measured", "this project", "compared with", "target"], rows)
     return "\n".join(lines).rstrip() + "\n"
 
