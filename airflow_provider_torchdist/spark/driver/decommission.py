@@ -146,11 +146,15 @@ class Decommissions:
             why = "the run's owner is stopping it already" if self._stops.stopper_asked else "it leaves too"
             self._say(f"Spark is decommissioning the executor on {', '.join(hosts)} (node(s) {nodes}): {why}")
             return
-        self._stops.stop(DECOMMISSIONED, self._grace)
-        if self._leave is None:
+
+        def fail_the_run(reached: int) -> None:
             # A stop that reached no rank found them all returned: the run ends as it would have.
-            if self._stops.sent_to:
+            # Set before the ranks have the request: the stage may end as soon as they return.
+            if reached and self._leave is None:
                 self.error = decommission_message(hosts, nodes, self._nproc, self._grace)
+
+        self._stops.stop(DECOMMISSIONED, self._grace, before_sending=fail_the_run)
+        if self._leave is None:
             then = "then the run fails so that a retry resumes from that checkpoint"
             self._say(
                 f"Spark is decommissioning the executor on {', '.join(hosts)} (node(s) {nodes}): the ranks are "

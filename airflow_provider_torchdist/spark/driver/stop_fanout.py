@@ -62,19 +62,29 @@ class StopFanout:
     def close(self) -> None:
         self._closed.set()
 
-    def stop(self, reason: str, grace: float, from_stopper: bool = False) -> bool:
+    def stop(
+        self,
+        reason: str,
+        grace: float,
+        from_stopper: bool = False,
+        before_sending: Callable[[int], None] | None = None,
+    ) -> bool:
         """Ask every rank, connected now or later, to checkpoint and return within ``grace`` seconds;
         False when already asked (the first request stands, and the ranks are stopping already).
         ``from_stopper``: the request came from the stop-request file; its stopper is told when no
-        rank watches, and its stop is never withdrawn, even when it came second."""
+        rank watches, and its stop is never withdrawn, even when it came second.
+        ``before_sending``: called with the count of ranks it goes to, for a first request, before
+        any rank has it (what the run's end reads must be in place before the ranks can return)."""
         request = wire.StopRequest(reason, grace)
         with self._lock:
             if from_stopper:
                 self.stopper_asked = True
             first = self.request is None
             if first:
-                self.request = request
                 self.sent_to = len(self._ranks)
+                if before_sending is not None:
+                    before_sending(self.sent_to)
+                self.request = request
             ranks = list(self._ranks)
             tell_stopper = from_stopper and self.declined.is_set()
         if tell_stopper:

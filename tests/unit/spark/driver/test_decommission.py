@@ -83,6 +83,28 @@ def _connect_two_ranks(stops: StopFanout) -> None:
 _KEEP: list[tuple[socket.socket, socket.socket]] = []
 
 
+def test_the_runs_error_is_in_place_before_any_rank_has_the_stop(spark, tmp_path):
+    """The stage can end as soon as the ranks have the request and return: the run's error must be
+    set before it goes out (hunt 24: read between the two under load, it was still None)."""
+    watches: list[Decommissions] = []
+    at_send: list[str | None] = []
+
+    def say(line: str) -> None:
+        if line.startswith("the stop request"):  # the fanout says so, then sends
+            at_send.append(watches[0].error)
+
+    stops = StopFanout(tmp_path, say)
+    executors = ExecutorWatch(object(), lambda: None)
+    watches.append(
+        Decommissions(object(), "torchdist-run", stops, executors, say, lambda: None, 0.3, 2, every=0.01)
+    )
+    _connect_two_ranks(stops)
+    with watches[0]:
+        spark.decommissioning = ["2"]
+        wait_until(lambda: at_send, what="the stop request")
+    assert at_send == [decommission_message(["10.0.0.12"], [1], 2, 0.3)]
+
+
 def test_a_fixed_run_whose_nodes_executor_is_decommissioned_stops_gracefully_then_fails(spark, tmp_path):
     watch, stops, lines, cancels = _watch(tmp_path)
     with watch:
