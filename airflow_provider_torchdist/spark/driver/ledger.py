@@ -133,9 +133,14 @@ class RunLedger:
                 merged[failure.rank if failure.rank is not None else -1 - i] = (
                     own.merge(failure) if own else failure
                 )
-            # A rank that vanished without reporting, while the agent blamed a peer that lost it.
-            for rank, (host, _) in self.vanished.items():
-                if rank not in merged and rank not in self.rank_errors:
+            # A rank that vanished without reporting before any blamed rank's trouble began: it
+            # died first (a SIGKILL), and the agent blamed a peer that lost it. One that vanished
+            # after is the failure's casualty: the agent ends a node's other ranks when one fails.
+            blamed_since = min(
+                (self._first_problem.get(r, float("inf")) for r in merged), default=float("inf")
+            )
+            for rank, (host, at) in self.vanished.items():
+                if rank not in merged and rank not in self.rank_errors and at < blamed_since:
                     merged[rank] = RankFailure(rank=rank, host=host, message=VANISHED_MESSAGE)
             first = {**{r: t for r, (_, t) in self.vanished.items()}, **self._first_problem}
             # Root cause first: the rank whose trouble started earliest.

@@ -63,6 +63,24 @@ def test_root_cause_first_a_killed_rank_before_the_peers_it_broke():
     assert failures[1].exc_type == "RuntimeError"
 
 
+def test_a_rank_its_agent_ended_after_a_peer_failed_is_no_failure_of_its_own():
+    """Rank 0 raises (its value could not be pickled); its agent then ends rank 1 with SIGTERM, whose
+    connection closes without a goodbye (hunt 26, under load: rank 1 had not finished yet). Only
+    rank 0 failed; rank 1 is its casualty, not a second failure."""
+    ledger = RunLedger()
+    ledger.rank_raised(0, HOST, RankError("TypeError", "rank 0's return value could not be pickled"), at=5.0)
+    ledger.rank_vanished(1, HOST, at=5.2)
+    ledger.agents_failed([RankFailure(rank=0, host=HOST, exitcode=1)])
+    assert [(f.rank, f.exc_type) for f in ledger.failures] == [(0, "TypeError")]
+
+
+def test_a_vanished_rank_is_kept_when_no_blamed_rank_says_when_its_trouble_began():
+    ledger = RunLedger()
+    ledger.rank_vanished(1, HOST, at=5.0)
+    ledger.agents_failed([RankFailure(rank=0, host=HOST, exitcode=-9)])  # killed too: no report of its own
+    assert [f.rank for f in ledger.failures] == [1, 0]
+
+
 def test_the_earliest_trouble_comes_first_whatever_the_report_order():
     ledger = RunLedger()
     ledger.rank_raised(3, HOST, RankError("ValueError", "first"), at=1.0)
