@@ -9,13 +9,12 @@ import contextlib
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
-from airflow_provider_torchdist.spark.wire.private_files import write_private_bytes
+from airflow_provider_torchdist.spark.wire.private_files import private_directory, write_private_bytes
 
 
 def end_this_node() -> None:
@@ -44,7 +43,8 @@ def shipped_payload(spec: JobSpec, entry: bytes, py_files: list[tuple[str, bytes
     settings, nor its py_files, to the next task."""
     environ = dict(os.environ)
     import_path = list(sys.path)
-    directory = tempfile.mkdtemp(prefix=f"torchdist-connect-{os.getpid()}-")  # 0700
+    # 0700; a killed worker's own is removed by the next task on this machine.
+    directory = private_directory("torchdist-connect-")
     try:
         shipped = [private_file(directory, name, data) for name, data in py_files]
         # As spark-submit's --py-files: first on the worker's sys.path, which the ranks (forked by

@@ -9,16 +9,14 @@ every row to Arrow on the other side. :class:`ShardWriter` writes each rank's ro
 
 from __future__ import annotations
 
-import os
-import re
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.spark.data.rank_data import shard_file
 from airflow_provider_torchdist.spark.data.shard_plan import TrainDataError
+from airflow_provider_torchdist.spark.wire.private_files import private_directory
 
 
 class BlobPacker:
@@ -145,24 +143,11 @@ class ShardWriter:
             )
 
 
-_NODE_DIR = re.compile(r"torchdist-data-(\d+)-.+")
-
-
 def new_node_directory() -> str:
     """A private directory for this node's shards. Its name carries this process's PID: a task
     killed before it removed its directory leaves one whose process is dead, which the next node
-    on this host (and the Airflow worker's sweep, ``sweep.py``) removes."""
-    base = Path(tempfile.gettempdir())
-    for entry in base.glob("torchdist-data-*"):
-        match = _NODE_DIR.fullmatch(entry.name)
-        if match and entry.is_dir() and not entry.is_symlink() and entry.stat().st_uid == os.getuid():
-            try:
-                os.kill(int(match[1]), 0)
-            except ProcessLookupError:
-                remove_directory(entry)
-            except OSError:
-                pass  # alive, or not ours to signal
-    return tempfile.mkdtemp(prefix=f"torchdist-data-{os.getpid()}-")
+    on this host (and the Airflow worker's sweep, ``sweep.py``) removes (:func:`private_directory`)."""
+    return private_directory("torchdist-data-")
 
 
 def remove_directory(directory: str | Path) -> None:

@@ -1,13 +1,16 @@
 """Private files written whole: the one atomic, owner-only write both sides use.
 
 The hook's properties file, the supervisor's settings and address, the owner token and the driver's
-channel address are all written this way. Standard library only: the Spark side imports it too.
+channel address are all written this way; and the private directories of a node's processes
+(:func:`private_directory`). Standard library only: the Spark side imports it too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -32,3 +35,23 @@ def write_private_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
             os.unlink(part)
         raise
     return target
+
+
+def private_directory(prefix: str) -> str:
+    """A new private directory (0700) in the temp directory, ``<prefix><pid>-<random>``, made after
+    removing those of this user's processes that are dead. A process killed before it removed its
+    directory leaves it (Spark kills a cancelled task's Python worker with SIGKILL, so no ``finally``
+    runs): the next one on this machine removes it. Only real directories of this user whose name
+    holds a PID that no process has are removed."""
+    named = re.compile(re.escape(prefix) + r"(\d+)-.+")
+    base = Path(tempfile.gettempdir())
+    for entry in base.glob(f"{prefix}*"):
+        match = named.fullmatch(entry.name)
+        if match and entry.is_dir() and not entry.is_symlink() and entry.stat().st_uid == os.getuid():
+            try:
+                os.kill(int(match[1]), 0)
+            except ProcessLookupError:
+                shutil.rmtree(entry, ignore_errors=True)
+            except OSError:
+                pass  # alive, or not ours to signal
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
