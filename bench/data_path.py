@@ -1,7 +1,7 @@
 """Spark data into training: ``train_data=`` against PySpark's private path and doing it yourself.
 
 Usage: ``python bench/data_path.py [--rounds 3] [--quick] [--gb 2] [--variants ours,a,b]
-[--data-dir DIR] [--no-save]``
+[--data-dir DIR] [--no-save] [--cluster]``
 
 A data set of numeric columns (``id`` bigint, 16 float features, an int ``label``: 76 bytes a row
 as Arrow) of ``--gb`` GB as Arrow, generated once with Spark as Parquet (``--data-dir`` keeps it
@@ -22,6 +22,14 @@ batches of 65,536, summing each tensor (``bench/workloads/data_rank.py``):
 - **b**: do it yourself: spark-submit writes the query's result as Parquet, then ``hook.run(fn)``
   with rank r reading the sorted files ``files[r::2]`` with pyarrow; timed from the spark-submit
   fork to ``hook.run``'s return.
+
+``--cluster``: the same on a two-host netns cluster (two Workers of one core, each in a network
+namespace of its own; the driver stays on the bridge), whose hosts share this machine's filesystem,
+so the connection declares a ``shared-dir``. Variants: **ours** (the connection as configured: the
+tasks write the rows into the shared directory, the ranks map them), **shuffle** (ours with
+``spark.torchdist.trainData.route=shuffle``: the rows travel by Spark's shuffle to each node's
+barrier task, the route a cluster without a shared directory takes) and **b** (the Parquet written
+into a shared directory by a spark-submit on the cluster). Saved as the ``data_path_cluster`` section.
 
 Interleaved rounds after an uncounted warm-up round. Goals: ours >= 2x (a) and >= 1.0x (b) in
 throughput; a delivered shard iterated at >= 1 GB/s by the rank; peak ``RssAnon`` per rank
@@ -64,7 +72,15 @@ VARIANTS = {
     "a": "(a) PySpark `_train_on_dataframe` + `_get_spark_partition_data_loader`",
     "b": "(b) Spark writes Parquet, ranks read their files with pyarrow",
 }
+CLUSTER_VARIANTS = {
+    "ours": "`train_data=` + `rank_batches`, the connection's `shared-dir` (the tasks write the rows there)",
+    "shuffle": "`train_data=` + `rank_batches` by Spark's shuffle (`spark.torchdist.trainData.route=shuffle`)",
+    "b": "(b) spark-submit on the cluster writes Parquet to a shared directory, ranks read their files with pyarrow",
+}
 RATIO_GOALS = {"a": 2.0, "b": 1.0}  # ours' throughput over the variant's, at least
+#: The netns cluster of ``--cluster`` (its own names and subnet: it may run beside the tests' ones).
+CLUSTER_PREFIX, CLUSTER_SUBNET = "tdbd", "10.231.98"
+CLUSTER_CONN_ID = "bench_data_cluster"
 ITER_GOAL_GB_S = 1.0
 RSS_GOAL_MB = 1.5 * 1024
 #: The bench's ``spark_connect`` connection (an AIRFLOW_CONN_ variable naming the warm server).
@@ -104,16 +120,18 @@ def dataset(directory: Path, gb: float, env: dict[str, str]) -> dict[str, Any]:
 
 
 def run_variant(
-    name: str, query: str, rows: int, scratch: Path, env: dict[str, str]
+    name: str, query: str, rows: int, scratch: Path, env: dict[str, str], cluster: str | None = None
 ) -> dict[str, Any] | None:
-    """One sample of one variant; None when it failed (logged)."""
-    if name in ("ours", "connect"):
-        cmd = [PYTHON, str(WORKLOADS / "data_hook.py"), name, query, str(BATCH_SIZE)]
+    """One sample of one variant (on ``cluster``, data_hook.py's ``--cluster`` JSON); None when it
+    failed (logged)."""
+    on = ["--cluster", cluster] if cluster else []
+    if name in ("ours", "shuffle", "connect"):
+        cmd = [PYTHON, str(WORKLOADS / "data_hook.py"), name, query, str(BATCH_SIZE), *on]
         cmd += ["--conn-id", CONNECT_CONN_ID] if name == "connect" else []
     elif name == "b":
         out = scratch / "diy-parquet"
         shutil.rmtree(out, ignore_errors=True)
-        cmd = [PYTHON, str(WORKLOADS / "data_hook.py"), "diy", query, str(BATCH_SIZE), str(out)]
+        cmd = [PYTHON, str(WORKLOADS / "data_hook.py"), "diy", query, str(BATCH_SIZE), str(out), *on]
     else:
         cmd = spark_submit_cmd(
             WORKLOADS / "data_pyspark_td.py",
@@ -170,6 +188,35 @@ def variant_stats(runs: list[dict[str, Any]], arrow_bytes: int) -> dict[str, Any
     }
 
 
+def start_netns_cluster(shared: Path, env: dict[str, str]) -> tuple[Any, str]:
+    """The two-host netns cluster, and data_hook.py's ``--cluster`` JSON for it; its connection
+    (with ``shared-dir``) goes into ``env``."""
+    from tests.cluster import start_cluster
+
+    cluster = start_cluster(
+        workers=2, cores=1, memory="2g", netns=True, prefix=CLUSTER_PREFIX, subnet=CLUSTER_SUBNET
+    )
+    driver = f"{CLUSTER_SUBNET}.1"
+    conn = {
+        "conn_type": "spark",
+        "host": f"spark://{cluster.master_host}",
+        "port": cluster.master_port,
+        "extra": {"shared-dir": str(shared)},
+    }
+    env[f"AIRFLOW_CONN_{CLUSTER_CONN_ID.upper()}"] = json.dumps(conn)
+    spec = {
+        "conn_id": CLUSTER_CONN_ID,
+        "master": f"spark://{cluster.master_host}:{cluster.master_port}",
+        "conf": {
+            "spark.driver.host": driver,
+            "spark.driver.bindAddress": driver,
+            "spark.executor.memory": "1g",
+        },
+        "env": {"SPARK_LOCAL_IP": driver},
+    }
+    return cluster, json.dumps(spec)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -178,18 +225,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one counted round")
     parser.add_argument("--gb", type=float, default=2.0, help="data set size as Arrow, GB (default 2)")
     parser.add_argument(
-        "--variants", default=",".join(VARIANTS), help="comma-separated, of: ours,connect,a,b"
+        "--variants",
+        help="comma-separated, of: ours,connect,a,b (with --cluster: ours,shuffle,b); default all",
     )
     parser.add_argument("--data-dir", type=Path, help="keep the generated data set here, and reuse it")
     parser.add_argument("--no-save", action="store_true", help="print the section instead of saving it")
+    parser.add_argument(
+        "--cluster", action="store_true", help="on a two-host netns cluster (module docstring)"
+    )
     args = parser.parse_args(argv)
-    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if unknown := [v for v in chosen if v not in VARIANTS]:
-        parser.error(f"unknown variant(s) {unknown}; choose among {list(VARIANTS)}")
+    offered = CLUSTER_VARIANTS if args.cluster else VARIANTS
+    chosen = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else list(offered)
+    if unknown := [v for v in chosen if v not in offered]:
+        parser.error(f"unknown variant(s) {unknown}; choose among {list(offered)}")
     rounds = 1 if args.quick else args.rounds
     env = bench_env()
     scratch = Path(tempfile.mkdtemp(prefix="bench-data-path-"))
-    server = None
+    server = cluster = on = None
+    if args.cluster:
+        (scratch / "shared").mkdir()
+        cluster, on = start_netns_cluster(scratch / "shared", env)
     if "connect" in chosen:
         server = start_connect_server()  # warm across rounds, as a shared Connect server is
         conn = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": server.port}
@@ -202,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         samples: dict[str, list[dict[str, Any]]] = {v: [] for v in chosen}
         for round_no in range(rounds + 1):
             for name in chosen:
-                run = run_variant(name, query, meta["rows"], scratch, env)
+                run = run_variant(name, query, meta["rows"], scratch, env, on)
                 if run is None:
                     continue
                 tag = "warm-up" if round_no == 0 else f"round {round_no}/{rounds}"
@@ -218,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
         if server is not None:
             server.stop()
+        if cluster is not None:
+            from tests.cluster import stop_cluster
+
+            stop_cluster(cluster)
     stats = {name: variant_stats(runs, meta["arrow_bytes"]) for name, runs in samples.items()}
     ratios = []
     ours = stats.get("ours", {})
@@ -270,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": BATCH_SIZE,
         "num_processes": NUM_PROCESSES,
         "dataset": meta,
-        "variants": {v: VARIANTS[v] for v in chosen},
+        "variants": {v: offered[v] for v in chosen},
         "stats": stats,
         "ratios": ratios,
         "goals": goals,
@@ -279,11 +338,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_save:
         print(json.dumps({k: v for k, v in section.items() if k not in ("machine", "samples")}, indent=2))
         return 0
-    update_results("data_path", section)
+    if args.cluster:
+        section["cluster"] = True
+        section["ratios"] = [r for r in ratios if r["denominator"] == "b"] + [shuffle_ratio(stats)]
+        section["goals"] = {k: v for k, v in goals.items() if k != "connect_client_peak_rss_mb"}
+    update_results("data_path_cluster" if args.cluster else "data_path", section)
     from report import render_docs
 
     render_docs()
     return 0
+
+
+def shuffle_ratio(stats: dict[str, Any]) -> dict[str, Any]:
+    """On the cluster: ours (through the shared directory) over the shuffle's route."""
+    ours, other = stats.get("ours", {}), stats.get("shuffle", {})
+    ratio = round(other["median_s"] / ours["median_s"], 2) if ours.get("n") and other.get("n") else None
+    return {"numerator": "ours", "denominator": "shuffle", "ratio": ratio, "goal": None, "met": None}
 
 
 if __name__ == "__main__":

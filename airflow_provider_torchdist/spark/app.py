@@ -23,6 +23,7 @@ from airflow_provider_torchdist.spark.data.data_shards import (
     distributed_shards,
     has_train_data,
     local_shards,
+    remove_shards,
 )
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
 from airflow_provider_torchdist.spark.driver.decommission import Decommissions
@@ -70,22 +71,27 @@ def run_local(spec: JobSpec, staging: Path) -> Outcome:
         channel.say(f"local mode: {spec.num_processes} process(es) on the driver")
         if channel.rank_filter:
             channel.say(channel.rank_filter.announcement())
+        shards = None
         if has_train_data(spec):
             try:
-                os.environ[DATA_DIR_ENV] = str(local_shards(spec, staging, channel.say))
+                shards = local_shards(spec, staging, channel.say)
             except TrainDataError as exc:
                 channel.say(str(exc))
                 return Outcome(ok=False, error=str(exc), hosts=[LOCAL_HOST])
+            os.environ[DATA_DIR_ENV] = str(shards)
         node = channel.registry.add_local(0, LOCAL_HOST)
-        failures = launch_node(
-            spec,
-            node_rank=0,
-            entry_path=str(staging / spec.entry),
-            channel_address=channel.address,
-            host=LOCAL_HOST,
-            output_dir=str(staging),  # the ranks run here: rank 0 writes its value in place
-            node_key=node.key,
-        )
+        try:
+            failures = launch_node(
+                spec,
+                node_rank=0,
+                entry_path=str(staging / spec.entry),
+                channel_address=channel.address,
+                host=LOCAL_HOST,
+                output_dir=str(staging),  # the ranks run here: rank 0 writes its value in place
+                node_key=node.key,
+            )
+        finally:
+            remove_shards(shards, staging)
         channel.agents_failed(failures)
         emit("channel_close")
     emit("channel_closed")
@@ -121,7 +127,10 @@ def run_distributed(spec: JobSpec, staging: Path) -> Outcome:
                     channel.say(str(exc))
                     return Outcome(ok=False, error=str(exc))
             world_sizes = [started(spec.num_processes)]
-            results, error = barrier_stage(sc, spec, channel, staging, (group, cancel), shards)
+            try:
+                results, error = barrier_stage(sc, spec, channel, staging, (group, cancel), shards)
+            finally:
+                remove_shards(shards, staging)
             emit("channel_close")
         emit("channel_closed")
         failures = channel.failures

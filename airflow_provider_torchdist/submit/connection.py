@@ -25,6 +25,7 @@ from typing import Any
 from airflow.providers.common.compat.sdk import AirflowNotFoundException, BaseHook
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
+from airflow_provider_torchdist.spark.data.data_shards import SHARED_DIR_CONF
 from airflow_provider_torchdist.spec import DEFAULT_CONN_ID, TrainingSpec
 
 #: This provider's connection type: a ``spark`` connection whose form also shows ``master-web-ui``.
@@ -40,6 +41,11 @@ CONNECT_CONN_TYPE = "spark_connect"
 #: Connection extra of a ``spark_connect`` connection: the address of the Airflow worker that the
 #: server's executors reach (default: this machine's address on the route to the server's driver).
 CHANNEL_HOST_EXTRA = "channel-host"
+#: Connection extra: a directory that the driver and every node of the cluster mount at this path
+#: (NFS, Lustre, ...), writable by the executors' user. ``train_data``'s rows then go through it, as
+#: files, instead of through Spark's shuffle (``spark.torchdist.trainData.sharedDir``; a run's
+#: ``conf`` may set that itself).
+SHARED_DIR_EXTRA = "shared-dir"
 EMBEDDED_HOST = "127.0.0.1"
 DEFAULT_SPARK_BINARY = "spark-submit"
 
@@ -118,6 +124,12 @@ def resolve_target(spec: TrainingSpec, log: Any = None) -> SparkTarget:
         data["host"] = master_url(conn_type, conn.host, None)
     master = master_url(conn_type, conn.host, conn.port)
     deploy_mode = spec.spark_submit_kwargs.get("deploy_mode") or extra.get("deploy-mode")
+    shared_dir = extra.get(SHARED_DIR_EXTRA)
+    if shared_dir is not None and not (isinstance(shared_dir, str) and os.path.isabs(shared_dir)):
+        raise InvalidTrainingConfig(
+            f"Spark connection {spec.conn_id!r}: the extra {SHARED_DIR_EXTRA!r} must be the absolute path "
+            f"of a directory that the driver and every node mount, got {shared_dir!r}."
+        )
     return SparkTarget(
         master=master,
         connection={k: v for k, v in data.items() if v not in (None, "", {})},
@@ -127,6 +139,7 @@ def resolve_target(spec: TrainingSpec, log: Any = None) -> SparkTarget:
         spark_binary=spec.spark_submit_kwargs.get("spark_binary")
         or extra.get("spark-binary")
         or DEFAULT_SPARK_BINARY,
+        conf={SHARED_DIR_CONF: shared_dir} if shared_dir else {},
     )
 
 

@@ -11,6 +11,11 @@ connection ``ID``; also says the peak RSS of this process and of its Connect dri
 result as Parquet to ``OUT``, then ``TorchDistributorHook(num_processes=2).run(fn)``, rank r reading
 the sorted files ``files[r::2]`` with pyarrow; timed from the spark-submit fork to ``hook.run``'s
 return. Prints one ``RESULT`` line with every rank's figures.
+
+``--cluster JSON`` (ours, shuffle, diy): on a Spark cluster instead of the embedded master, JSON being
+``{"conn_id", "master", "conf", "env"}``: the hooks use the connection (``ours`` as it is configured,
+with its ``shared-dir``; ``shuffle`` with ``spark.torchdist.trainData.route=shuffle``), the DIY
+spark-submit the master, and all of them the Spark settings and environment (the driver's address).
 """
 
 from __future__ import annotations
@@ -36,15 +41,28 @@ NUM_PROCESSES = 2
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("variant", choices=["ours", "connect", "diy"])
+    parser.add_argument("variant", choices=["ours", "shuffle", "connect", "diy"])
     parser.add_argument("query")
     parser.add_argument("batch_size", type=int)
     parser.add_argument("out", nargs="?")
     parser.add_argument("--conn-id", help="connect: the spark_connect connection to the server")
+    parser.add_argument("--cluster", type=json.loads, help="a Spark cluster to run on (module docstring)")
     args = parser.parse_args()
     timing: dict[str, float] = {}
-    if args.variant == "ours":
-        hook = TorchDistributorHook(num_processes=NUM_PROCESSES, local_mode=False, train_data=args.query)
+    cluster = args.cluster or {}
+    on = (
+        {"conn_id": cluster["conn_id"], "conf": cluster["conf"], "env_vars": cluster["env"]}
+        if cluster
+        else {}
+    )
+    if cluster:
+        os.environ.update(cluster["env"])  # the DIY spark-submit's driver too
+    if args.variant in ("ours", "shuffle"):
+        if args.variant == "shuffle":
+            on["conf"] = {**on.get("conf", {}), "spark.torchdist.trainData.route": "shuffle"}
+        hook = TorchDistributorHook(
+            num_processes=NUM_PROCESSES, local_mode=False, train_data=args.query, **on
+        )
         t_start = time.time()
         ranks = hook.run(data_rank.iterate_ours, args.batch_size)
     elif args.variant == "connect":
@@ -60,12 +78,13 @@ def main() -> None:
         if not args.out:
             parser.error("diy needs OUT, the Parquet directory to write")
         t_start = time.time()
-        cmd = spark_submit_cmd(WORKLOADS / "data_spark.py", "write", args.query, args.out)
+        where = {"master": cluster["master"], "conf": cluster["conf"]} if cluster else {}
+        cmd = spark_submit_cmd(WORKLOADS / "data_spark.py", "write", args.query, args.out, **where)
         written = subprocess.run(cmd, capture_output=True, text=True)
         if written.returncode != 0:
             sys.exit(f"writing Parquet failed:\n{written.stdout[-3000:]}\n{written.stderr[-3000:]}")
         timing["t_written"] = time.time()
-        hook = TorchDistributorHook(num_processes=NUM_PROCESSES, local_mode=False)
+        hook = TorchDistributorHook(num_processes=NUM_PROCESSES, local_mode=False, **on)
         ranks = hook.run(data_rank.iterate_parquet_files, args.out, args.batch_size)
     t_done = time.time()
     print(

@@ -56,9 +56,13 @@ def _idle_cluster(cluster: ClusterInfo) -> None:
     wait_idle(cluster)
 
 
-def connect(monkeypatch: pytest.MonkeyPatch, info: ClusterInfo, web_ui: bool = True) -> str:
+def connect(
+    monkeypatch: pytest.MonkeyPatch, info: ClusterInfo, web_ui: bool = True, shared_dir: Path | None = None
+) -> str:
     """A ``spark`` connection to the cluster, the usual Airflow way (an AIRFLOW_CONN_ variable)."""
-    extra = {"master-web-ui": info.master_ui_url} if web_ui else {}
+    extra: dict[str, str] = {"master-web-ui": info.master_ui_url} if web_ui else {}
+    if shared_dir is not None:  # the test hosts share this machine's filesystem
+        extra["shared-dir"] = str(shared_dir)
     conn = {
         "conn_type": "spark",
         "host": f"spark://{info.master_host}",
@@ -81,7 +85,7 @@ def cluster_hook(monkeypatch: pytest.MonkeyPatch, info: ClusterInfo, **kwargs) -
         **kwargs.pop("conf", {}),
     }
     return TorchDistributorHook(
-        conn_id=connect(monkeypatch, info, kwargs.pop("web_ui", True)),
+        conn_id=connect(monkeypatch, info, kwargs.pop("web_ui", True), kwargs.pop("shared_dir", None)),
         conf=conf,
         env_vars={"SPARK_LOCAL_IP": DRIVER_HOST},
         **kwargs,
@@ -235,18 +239,21 @@ def count_my_rows() -> list[dict]:
         "unique": int(np.unique(ids).size),
         "f0_sum": features,
         "rss_anon_kb": rss_anon,
+        "data_dir": os.environ["TORCHDIST_DATA_DIR"],
     }
     everyone: list[dict] = [{}] * dist.get_world_size()
     dist.all_gather_object(everyone, me)
     return everyone
 
 
+@pytest.mark.parametrize("route", ["shuffle", "shared-dir"])
 def test_train_data_reaches_ranks_on_two_hosts_without_passing_through_the_driver(
-    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, route: str
 ) -> None:
     """A Parquet data set of about 120 MB as Arrow, a driver that may collect at most 1 MB (any
     partition's rows through the driver would fail the job): every row reaches exactly one rank, on
-    two hosts, the shards equal."""
+    two hosts, the shards equal. By Spark's shuffle, or (the connection's ``shared-dir``) as files in
+    a directory every host mounts, removed after the run."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -262,9 +269,12 @@ def test_train_data_reaches_ranks_on_two_hosts_without_passing_through_the_drive
         pq.write_table(pa.table(columns), data / f"part-{i}.parquet", compression="none")
     assert rows * (8 + 8 * 4) // files > 2**20 * 10  # each partition far over maxResultSize
 
+    shared = tmp_path / "shared"
+    shared.mkdir()
     hook = cluster_hook(
         monkeypatch,
         cluster,
+        shared_dir=shared if route == "shared-dir" else None,
         num_processes=2,
         train_data=f"SELECT * FROM parquet.`{data}` WHERE id % 3 != 1",
         spark_submit_kwargs={"driver_memory": "512m"},
@@ -279,6 +289,12 @@ def test_train_data_reaches_ranks_on_two_hosts_without_passing_through_the_drive
     assert all(r["unique"] == r["rows"] for r in ranks)
     # Together: every kept id once (the total and sum of the ids match, and no id repeats on a rank).
     assert sum(r["id_sum"] for r in ranks) == int(kept.sum())
+    if route == "shared-dir":
+        (data_dir,) = {r["data_dir"] for r in ranks}
+        assert Path(data_dir).parent == shared and Path(data_dir).name.startswith("torchdist-rows-")
+    else:
+        assert not any(r["data_dir"].startswith(str(shared)) for r in ranks)
+    assert list(shared.iterdir()) == []  # the run's directory went with the run
     print("RssAnon per rank (MB):", [round(r["rss_anon_kb"] / 1024) for r in ranks])
 
 

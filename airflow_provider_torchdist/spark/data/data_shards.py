@@ -1,7 +1,9 @@
 """``train_data`` on the Spark side: the DataFrame, and each rank's rows brought to its node.
 
-When every Spark task runs on the ranks' machine (a ``local[...]`` master), the tasks write the
-rows where the ranks read them (:mod:`.same_host_shards`, :func:`on_shared_disk`). Otherwise:
+When every Spark task runs on the ranks' machine (a ``local[...]`` master), or every node and the
+driver mount one directory (:data:`SHARED_DIR_CONF`, the connection's ``shared-dir``), the tasks
+write the rows where the ranks read them (:mod:`.same_host_shards`, :func:`on_shared_disk`).
+Otherwise:
 
 The driver builds the DataFrame (a query, a table, or the user's ``fn(spark)``) and counts its rows
 per partition, a small job that runs in the JVM. That fixes every row's global index (its
@@ -25,10 +27,12 @@ every partition's count against the plan, and the nodes every rank's, and fail s
 """
 
 # size: train_data's driver side, its routes side by side (shared disk, shuffle, local), each
-# short: about 300 lines, kept whole.
+# short: about 320 lines, kept whole.
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,7 +49,14 @@ from airflow_provider_torchdist.spark.data.shard_plan import ShardPlan, TrainDat
 from airflow_provider_torchdist.spark.driver.spark_context import first_line, stop_spark
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 
-__all__ = ["DATA_DIR_ENV", "TrainDataError", "distributed_shards", "has_train_data", "local_shards"]
+__all__ = [
+    "DATA_DIR_ENV",
+    "TrainDataError",
+    "distributed_shards",
+    "has_train_data",
+    "local_shards",
+    "remove_shards",
+]
 
 #: The blobs' schema: the node's shuffle key, the rank, an Arrow IPC stream of its rows.
 BLOB_SCHEMA = "key long, rank int, ipc binary"
@@ -183,30 +194,62 @@ def has_train_data(spec: JobSpec) -> bool:
 #: Spark setting: ``shuffle`` moves the rows with Spark's shuffle even when every task runs on the
 #: ranks' machine (``auto``, the default, writes them there: :mod:`.same_host_shards`).
 ROUTE_CONF = "spark.torchdist.trainData.route"
+#: Spark setting: a directory that the driver and every node mount at this path (NFS, Lustre, ...),
+#: where the executors' user may write. On a cluster the tasks then write the rows into a directory
+#: of the run's there, instead of Spark's shuffle bringing them to the nodes. The connection's
+#: ``shared-dir`` extra sets it.
+SHARED_DIR_CONF = "spark.torchdist.trainData.sharedDir"
 
 
-def shares_disk(sc: Any) -> bool:
-    """Whether the tasks that compute the rows can write them where the ranks read them."""
-    route = sc.getConf().get(ROUTE_CONF, "auto").strip().lower()
+def shard_directory(sc: Any, staging: Path, run_id: str) -> Path | None:
+    """Where the tasks that compute the rows write them for the ranks: the staging directory when
+    every task runs on this machine, else the run's directory in the shared one; None for the shuffle."""
+    conf = sc.getConf()
+    route = conf.get(ROUTE_CONF, "auto").strip().lower()
     if route not in ("auto", "shuffle"):
         raise TrainDataError(f"{ROUTE_CONF} must be 'auto' or 'shuffle', got {route!r}")
-    return route == "auto" and same_host(sc.master)
+    shared = (conf.get(SHARED_DIR_CONF, "") or "").strip()
+    if route == "shuffle":
+        return None
+    if same_host(sc.master):
+        return staging / "data"
+    if not shared:
+        return None
+    if not os.path.isabs(shared) or not os.path.isdir(shared):
+        raise TrainDataError(
+            f"{SHARED_DIR_CONF} must be a directory that the driver and every node mount at the same "
+            f"absolute path; {shared!r} is {'not absolute' if not os.path.isabs(shared) else 'not a directory here'}"
+        )
+    return Path(shared, f"torchdist-rows-{run_id}")
 
 
-def on_shared_disk(spark: Any, spec: JobSpec, staging: Path, say: Any) -> Path:
-    """Every rank's rows in ``<staging>/data``, written there by the tasks (the same machine)."""
-    directory = staging / "data"
+def remove_shards(shards: Any, staging: Path) -> None:
+    """After the run: a shared directory's run directory goes (the staging directory's goes with it)."""
+    if isinstance(shards, Path) and not shards.is_relative_to(staging):
+        shutil.rmtree(shards, ignore_errors=True)
+
+
+def on_shared_disk(spark: Any, spec: JobSpec, staging: Path, directory: Path, say: Any) -> Path:
+    """Every rank's rows in ``directory``, written there by the tasks (it is on every node's disk)."""
     df = build_dataframe(spark, spec, staging)
+    if not directory.is_relative_to(staging):
+        try:  # a new directory, the run's alone: never one that someone else made beforehand
+            directory.mkdir(mode=0o700)
+        except OSError as exc:
+            raise TrainDataError(f"cannot make the run's train_data directory {directory}: {exc}") from None
     try:
         return same_host_shards(df, spec, arrow_schema(df), directory, say)
-    except TrainDataError:
-        raise
     except Exception as exc:
+        remove_shards(directory, staging)  # a shared directory keeps nothing of a failed run
+        if isinstance(exc, TrainDataError):
+            raise
         # A full disk is the task's OSError, as Spark reports it: name the machine and the directory.
         text = str(exc)
         if "cannot write a train_data piece" in text:
             line = next(x for x in text.splitlines() if "cannot write a train_data piece" in x)
             raise TrainDataError(f"on {socket.gethostname()}: {line.strip()}") from None
+        if isinstance(exc, OSError):  # the driver's own writes (the directory, the manifest)
+            raise TrainDataError(f"cannot write the train_data shards into {directory}: {exc}") from None
         raise TrainDataError(f"train_data failed before training: {first_line(exc)}") from None
 
 
@@ -215,12 +258,13 @@ def distributed_shards(
 ) -> tuple[Any, Any, tuple[int, ...]] | Path:
     """Where node n finds its rows: the directory every task shares (:func:`on_shared_disk`), or
     the DataFrame whose partition n holds node n's blobs, the shard files' schema, and the rows
-    per rank."""
+    per rank. A shared directory's run directory is the caller's to remove (:func:`remove_shards`)."""
     from pyspark.sql import SparkSession
 
     spark = SparkSession.builder.getOrCreate()  # on ``sc``, the driver's context
-    if shares_disk(sc):
-        return on_shared_disk(spark, spec, staging, say)
+    directory = shard_directory(sc, staging, spec.run_id)
+    if directory is not None:
+        return on_shared_disk(spark, spec, staging, directory, say)
     return shuffled_shards(spark, spec, staging, say)
 
 
@@ -237,14 +281,15 @@ def shuffled_shards(spark: Any, spec: JobSpec, staging: Path, say: Any) -> tuple
 
 
 def local_shards(spec: JobSpec, staging: Path, say: Any) -> Path:
-    """Local mode: every rank's file in ``<staging>/data`` (removed with the staging directory)."""
+    """Local mode: every rank's file in ``<staging>/data`` (removed with the staging directory), or
+    in the run's directory in a shared one (the caller's to remove: :func:`remove_shards`)."""
     from pyspark.sql import SparkSession
 
     spark = SparkSession.builder.getOrCreate()
     directory = staging / "data"
     try:
-        if shares_disk(spark.sparkContext):
-            return on_shared_disk(spark, spec, staging, say)
+        if (shared := shard_directory(spark.sparkContext, staging, spec.run_id)) is not None:
+            return on_shared_disk(spark, spec, staging, shared, say)
         df = build_dataframe(spark, spec, staging)
         plan = plan_shards(df, spec, spec.num_processes)
         say(plan.describe())

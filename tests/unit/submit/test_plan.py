@@ -16,6 +16,7 @@ from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.providers.common.compat.sdk import BaseHook
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
+from airflow_provider_torchdist.spark.data.data_shards import SHARED_DIR_CONF
 from airflow_provider_torchdist.submit import masking
 from airflow_provider_torchdist.submit.checks import build_spec
 from airflow_provider_torchdist.submit.connection import (
@@ -95,6 +96,21 @@ def test_properties_merge_lowest_first_defaults_then_ours_then_conf(tmp_path):
     assert props["spark.log.level"] == APP_CONF["spark.log.level"]  # our defaults too
     assert props["spark.driver.host"] == "127.0.0.1"  # and the target's
     assert props["spark.executor.memory"] == "2g"  # conf beats everything
+
+
+def test_a_connections_shared_dir_routes_train_data_through_it_and_conf_may_choose_another(monkeypatch):
+    conn = {"conn_type": "spark", "host": "spark://m", "port": 7077, "extra": {"shared-dir": "/mnt/shared"}}
+    monkeypatch.setenv("AIRFLOW_CONN_SHARED_SPARK", json.dumps(conn))
+    target = resolve_target(build_spec(conn_id="shared_spark"))
+    assert target.conf == {SHARED_DIR_CONF: "/mnt/shared"}
+    assert spark_properties(build_spec(), target, None, {})[SHARED_DIR_CONF] == "/mnt/shared"
+    mine = build_spec(conf={SHARED_DIR_CONF: "/mnt/other"})
+    assert spark_properties(mine, target, None, {})[SHARED_DIR_CONF] == "/mnt/other"
+    for bad in ("relative/dir", 7, ["/mnt"]):
+        conn["extra"] = {"shared-dir": bad}
+        monkeypatch.setenv("AIRFLOW_CONN_SHARED_SPARK", json.dumps(conn))
+        with pytest.raises(InvalidTrainingConfig, match="the extra 'shared-dir' must be the absolute path"):
+            resolve_target(build_spec(conn_id="shared_spark"))
 
 
 def test_spark_defaults_come_from_spark_home_without_a_conf_dir(tmp_path):

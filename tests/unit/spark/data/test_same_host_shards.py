@@ -16,7 +16,13 @@ import pyarrow as pa
 import pytest
 
 from airflow_provider_torchdist import rank_shard
-from airflow_provider_torchdist.spark.data.data_shards import ROUTE_CONF, shares_disk
+from airflow_provider_torchdist.spark.data import data_shards
+from airflow_provider_torchdist.spark.data.data_shards import (
+    ROUTE_CONF,
+    SHARED_DIR_CONF,
+    remove_shards,
+    shard_directory,
+)
 from airflow_provider_torchdist.spark.data.rank_data import DATA_DIR_ENV, MANIFEST, shard_file
 from airflow_provider_torchdist.spark.data.same_host_shards import (
     deal_seeded,
@@ -66,12 +72,71 @@ class _Context:
         return self._conf
 
 
-def test_the_route_setting_can_force_the_shuffle_and_refuses_anything_else() -> None:
-    assert shares_disk(_Context("local[2]", {}))
-    assert not shares_disk(_Context("local[2]", {ROUTE_CONF: "shuffle"}))
-    assert not shares_disk(_Context("spark://h:7077", {ROUTE_CONF: "auto"}))
+def test_the_route_setting_can_force_the_shuffle_and_refuses_anything_else(tmp_path: Path) -> None:
+    staging = tmp_path / "staging"
+    assert shard_directory(_Context("local[2]", {}), staging, "r1") == staging / "data"
+    assert shard_directory(_Context("local[2]", {ROUTE_CONF: "shuffle"}), staging, "r1") is None
+    assert shard_directory(_Context("spark://h:7077", {ROUTE_CONF: "auto"}), staging, "r1") is None
     with pytest.raises(TrainDataError, match=r"spark.torchdist.trainData.route must be 'auto' or 'shuffle'"):
-        shares_disk(_Context("local[2]", {ROUTE_CONF: "files"}))
+        shard_directory(_Context("local[2]", {ROUTE_CONF: "files"}), staging, "r1")
+
+
+def test_a_cluster_whose_nodes_mount_a_shared_directory_gets_the_rows_there(tmp_path: Path) -> None:
+    """The connection's ``shared-dir`` (this Spark setting): a run directory of its own in it, unless
+    every task runs here anyway (the staging directory) or the shuffle is asked for."""
+    staging, shared = tmp_path / "staging", tmp_path / "shared"
+    shared.mkdir()
+    cluster = {SHARED_DIR_CONF: f" {shared} "}
+    assert shard_directory(_Context("spark://h:7077", cluster), staging, "r1") == shared / "torchdist-rows-r1"
+    assert shard_directory(_Context("local[2]", cluster), staging, "r1") == staging / "data"
+    assert (
+        shard_directory(_Context("spark://h:7077", {**cluster, ROUTE_CONF: "shuffle"}), staging, "r1") is None
+    )
+    for bad, why in (("relative/dir", "not absolute"), (str(tmp_path / "missing"), "not a directory here")):
+        with pytest.raises(
+            TrainDataError, match=f"trainData.sharedDir must be a directory .*; '{bad}' is {why}"
+        ):
+            shard_directory(_Context("spark://h:7077", {SHARED_DIR_CONF: bad}), staging, "r1")
+    # After the run: the run directory in the shared one goes; the staging directory's is left to
+    # the staging directory's owner, and the shuffle's DataFrame is nothing to remove.
+    run_dir = shared / "torchdist-rows-r1"
+    (run_dir / "piece").parent.mkdir()
+    (run_dir / "piece").write_bytes(b"rows")
+    (staging / "data").mkdir(parents=True)
+    remove_shards(staging / "data", staging)
+    remove_shards(object(), staging)
+    remove_shards(run_dir, staging)
+    assert (staging / "data").is_dir() and not run_dir.exists() and shared.is_dir()
+
+
+def test_the_runs_shared_directory_is_its_own_and_a_failed_run_leaves_nothing_there(
+    tmp_path, monkeypatch
+) -> None:
+    """Made new (0700) for the run: one that exists already (another user's, on a shared disk) is
+    refused and left alone; a run whose tasks fail removes what they wrote."""
+    staging, shared = tmp_path / "staging", tmp_path / "shared"
+    shared.mkdir()
+    monkeypatch.setattr(data_shards, "build_dataframe", lambda spark, spec, staging: "df")
+    monkeypatch.setattr(data_shards, "arrow_schema", lambda df: SCHEMA)
+
+    def fails(df, spec, schema, directory, say):
+        (directory / "piece-000000-0.arrow").write_bytes(b"rows")
+        raise RuntimeError("Job aborted: a task failed")
+
+    monkeypatch.setattr(data_shards, "same_host_shards", fails)
+    run_dir = shared / "torchdist-rows-r1"
+    with pytest.raises(TrainDataError, match="train_data failed before training: Job aborted"):
+        data_shards.on_shared_disk(None, None, staging, run_dir, print)
+    assert list(shared.iterdir()) == []
+    theirs = shared / "torchdist-rows-r2"
+    theirs.mkdir()
+    (theirs / "planted").write_text("x")
+    with pytest.raises(TrainDataError, match="cannot make the run's train_data directory .*File exists"):
+        data_shards.on_shared_disk(None, None, staging, theirs, print)
+    assert (theirs / "planted").exists()
+    monkeypatch.setattr(data_shards, "same_host_shards", lambda df, spec, schema, directory, say: directory)
+    assert data_shards.on_shared_disk(None, None, staging, run_dir, print) == run_dir
+    assert run_dir.stat().st_mode & 0o777 == 0o700
 
 
 def _pieces(directory: Path, counts: list[int]) -> list[tuple[int, int, str]]:
