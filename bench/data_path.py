@@ -335,13 +335,13 @@ def main(argv: list[str] | None = None) -> int:
         "goals": goals,
         "samples": samples,
     }
-    if args.no_save:
-        print(json.dumps({k: v for k, v in section.items() if k not in ("machine", "samples")}, indent=2))
-        return 0
     if args.cluster:
         section["cluster"] = True
         section["ratios"] = [r for r in ratios if r["denominator"] == "b"] + [shuffle_ratio(stats)]
         section["goals"] = {k: v for k, v in goals.items() if k != "connect_client_peak_rss_mb"}
+    if args.no_save:
+        print(json.dumps({k: v for k, v in section.items() if k not in ("machine", "samples")}, indent=2))
+        return 0
     update_results("data_path_cluster" if args.cluster else "data_path", section)
     from report import render_docs
 
