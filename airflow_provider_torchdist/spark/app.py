@@ -92,7 +92,7 @@ def run_local(spec: JobSpec, staging: Path) -> Outcome:
             )
         finally:
             remove_shards(shards, staging)
-        channel.agents_failed(failures)
+        channel.agents_failed(failures, node=0)
         emit("channel_close")
     emit("channel_closed")
     return Outcome(

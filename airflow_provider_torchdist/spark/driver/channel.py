@@ -200,10 +200,10 @@ class RunChannel:
         self.owners.publish(wire.Application(app_id, ui_url, operation))
         self._log(line)
 
-    def agents_failed(self, failures: list[RankFailure]) -> None:
-        """A node's agent reports failed ranks (a signal, an exit code, or an exception)."""
+    def agents_failed(self, failures: list[RankFailure], node: int | None = None) -> None:
+        """Node ``node``'s agent reports failed ranks (a signal, an exit code, or an exception)."""
         self._show_failed([f.rank for f in failures if f.rank is not None])
-        self.ledger.agents_failed(failures)
+        self.ledger.agents_failed(failures, node=node)
 
     def _show_failed(self, ranks: list[int]) -> None:
         """A failing rank's last lines reach the log, ``log_ranks`` or not."""
@@ -264,7 +264,7 @@ class RunChannel:
             self.stops.rank_gone(conn)
         if not clean:
             if peer.rank is not None:
-                self.ledger.rank_vanished(peer.rank, host)
+                self.ledger.rank_vanished(peer.rank, host, node=peer.node.node)
             elif self._on_node_gone is not None:
                 self._on_node_gone(peer.node)
             self.say(
@@ -316,7 +316,7 @@ class RunChannel:
                 self.ledger.rank_raised(rank, this.host, msg)
             case wire.AgentFailures(failures=failures) if agent:
                 # The node's verified host, not what the message says.
-                self.agents_failed([dataclasses.replace(f, host=this.host) for f in failures])
+                self.agents_failed([dataclasses.replace(f, host=this.host) for f in failures], node.node)
                 if self._on_failure:
                     self._on_failure()
             case wire.NodeLeft() if agent:

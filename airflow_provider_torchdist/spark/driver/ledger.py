@@ -21,6 +21,11 @@ from typing import Any
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
 from airflow_provider_torchdist.spark.wire.protocol import MasterAnswer, RankError
 
+#: A rank killed by a signal (or gone without a word) died before the driver saw its connection
+#: close, and its peers' errors
+#: about the lost connection arrive within milliseconds of that, in either order under load: its
+#: trouble counts from this many seconds before it was seen gone, so that it comes first.
+SIGNAL_LEAD_S = 1.0
 #: How the failure of a rank that vanished without a word is described.
 VANISHED_MESSAGE = (
     "the process died without reporting an error (killed by a signal, "
@@ -47,6 +52,9 @@ class RunLedger:
         #: Ranks whose connection ended without a goodbye: (host, when). A rank killed by a signal
         #: cannot say so itself; this is how the driver still knows it died, and died first.
         self.vanished: dict[int, tuple[str | None, float]] = {}
+        #: The node of each vanished rank, and the nodes whose agent reported (None: unknown).
+        self._vanished_nodes: dict[int, int | None] = {}
+        self._reporting_nodes: set[int] = set()
         self._first_problem: dict[int, float] = {}
         #: Task 0's rendezvous endpoint per generation (stage attempt).
         self._masters: dict[int, tuple[str, int]] = {}
@@ -68,15 +76,20 @@ class RunLedger:
             self.rank_errors[rank] = error.failure(rank, host)
             self._first_problem.setdefault(rank, time.monotonic() if at is None else at)
 
-    def rank_vanished(self, rank: int, host: str | None, at: float | None = None) -> None:
-        """A rank's connection ended without a goodbye: it may have died."""
+    def rank_vanished(
+        self, rank: int, host: str | None, at: float | None = None, node: int | None = None
+    ) -> None:
+        """A rank's connection ended without a goodbye: it may have died (``node``: its node)."""
         with self._lock:
             self.vanished.setdefault(rank, (host, time.monotonic() if at is None else at))
+            self._vanished_nodes.setdefault(rank, node)
 
-    def agents_failed(self, failures: Iterable[RankFailure]) -> None:
-        """An agent's verdict that its node failed; wakes whoever waits for an endpoint."""
+    def agents_failed(self, failures: Iterable[RankFailure], node: int | None = None) -> None:
+        """An agent's verdict that its node (``node``) failed; wakes whoever waits for an endpoint."""
         with self._changed:
             self.agent_failures.extend(failures)
+            if node is not None:
+                self._reporting_nodes.add(node)
             self._changed.notify_all()
 
     def metric(self, record: dict[str, Any]) -> None:
@@ -133,16 +146,20 @@ class RunLedger:
                 merged[failure.rank if failure.rank is not None else -1 - i] = (
                     own.merge(failure) if own else failure
                 )
-            # A rank that vanished without reporting before any blamed rank's trouble began: it
-            # died first (a SIGKILL), and the agent blamed a peer that lost it. One that vanished
-            # after is the failure's casualty: the agent ends a node's other ranks when one fails.
-            blamed_since = min(
-                (self._first_problem.get(r, float("inf")) for r in merged), default=float("inf")
-            )
-            for rank, (host, at) in self.vanished.items():
-                if rank not in merged and rank not in self.rank_errors and at < blamed_since:
+            # A rank that vanished without reporting, while an agent blamed a peer that lost it: it
+            # died first (a SIGKILL that took its agent too). Unless its own node's agent reported
+            # and did not name it: then it is that failure's casualty (the agent ends a node's
+            # other ranks when one fails).
+            for rank, (host, _) in self.vanished.items():
+                node = self._vanished_nodes.get(rank)
+                casualty = node is not None and node in self._reporting_nodes
+                if rank not in merged and rank not in self.rank_errors and not casualty:
                     merged[rank] = RankFailure(rank=rank, host=host, message=VANISHED_MESSAGE)
             first = {**{r: t for r, (_, t) in self.vanished.items()}, **self._first_problem}
+            for failure in merged.values():
+                died = failure.signal or failure.message == VANISHED_MESSAGE
+                if died and failure.exc_type is None and failure.rank in first:
+                    first[failure.rank] -= SIGNAL_LEAD_S
             # Root cause first: the rank whose trouble started earliest.
             return sorted(
                 merged.values(), key=lambda f: (first.get(f.rank, float("inf")), f.rank is None, f.rank or 0)

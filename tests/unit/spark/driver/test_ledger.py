@@ -63,22 +63,48 @@ def test_root_cause_first_a_killed_rank_before_the_peers_it_broke():
     assert failures[1].exc_type == "RuntimeError"
 
 
-def test_a_rank_its_agent_ended_after_a_peer_failed_is_no_failure_of_its_own():
-    """Rank 0 raises (its value could not be pickled); its agent then ends rank 1 with SIGTERM, whose
-    connection closes without a goodbye (hunt 26, under load: rank 1 had not finished yet). Only
-    rank 0 failed; rank 1 is its casualty, not a second failure."""
+def test_a_rank_its_own_agent_ended_after_a_peer_failed_is_no_failure_of_its_own():
+    """Local mode: rank 0 raises (its value could not be pickled); the agent, the node's only one,
+    blames rank 0 and ends rank 1 with SIGTERM, whose connection closes without a goodbye (hunt 26,
+    under load: rank 1 had not finished yet). Only rank 0 failed; rank 1 is its casualty."""
     ledger = RunLedger()
     ledger.rank_raised(0, HOST, RankError("TypeError", "rank 0's return value could not be pickled"), at=5.0)
-    ledger.rank_vanished(1, HOST, at=5.2)
-    ledger.agents_failed([RankFailure(rank=0, host=HOST, exitcode=1)])
+    ledger.rank_vanished(1, HOST, at=5.2, node=0)
+    ledger.agents_failed([RankFailure(rank=0, host=HOST, exitcode=1)], node=0)
     assert [(f.rank, f.exc_type) for f in ledger.failures] == [(0, "TypeError")]
 
 
-def test_a_vanished_rank_is_kept_when_no_blamed_rank_says_when_its_trouble_began():
+def test_a_rank_whose_agent_went_with_it_is_a_failure_whenever_the_driver_saw_it_go():
+    """Its node's agent never reported (it died too): the vanished rank is counted, and first even
+    when its connection's close reached the driver a moment after a peer's report of the loss."""
     ledger = RunLedger()
-    ledger.rank_vanished(1, HOST, at=5.0)
-    ledger.agents_failed([RankFailure(rank=0, host=HOST, exitcode=-9)])  # killed too: no report of its own
+    ledger.rank_raised(0, "h0", RankError("RuntimeError", "Connection reset by peer"), at=5.0)
+    ledger.rank_vanished(1, "h1", at=5.01, node=1)
+    ledger.agents_failed([RankFailure(rank=0, host="h0", exitcode=1)], node=0)
     assert [f.rank for f in ledger.failures] == [1, 0]
+
+
+def test_a_rank_killed_by_a_signal_comes_first_even_when_a_peers_report_of_the_loss_arrived_first():
+    """Distributed, one rank per node: rank 1 SIGKILLs itself; rank 0's gloo read fails at once. Under
+    load the driver read rank 0's report 4 ms before it saw rank 1's connection close (hunt 27)."""
+    ledger = RunLedger()
+    ledger.rank_raised(0, "h", RankError("RuntimeError", "Read error: Connection reset by peer"), at=5.0)
+    ledger.rank_vanished(1, "h", at=5.004, node=1)
+    ledger.agents_failed([RankFailure(rank=0, host="h", exitcode=1)], node=0)
+    ledger.agents_failed([RankFailure(rank=1, host="h", exitcode=-9, signal="SIGKILL")], node=1)
+    failures = ledger.failures
+    assert [f.rank for f in failures] == [1, 0] and failures[
+        0
+    ].summary() == "rank 1 on h failed: killed by SIGKILL"
+
+
+def test_a_rank_that_raised_first_stays_first_after_a_peer_killed_much_later():
+    ledger = RunLedger()
+    ledger.rank_raised(0, "h", RankError("ValueError", "bad batch"), at=5.0)
+    ledger.rank_vanished(1, "h", at=9.0, node=1)
+    ledger.agents_failed([RankFailure(rank=0, host="h", exitcode=1)], node=0)
+    ledger.agents_failed([RankFailure(rank=1, host="h", exitcode=-9, signal="SIGKILL")], node=1)
+    assert [f.rank for f in ledger.failures] == [0, 1]
 
 
 def test_the_earliest_trouble_comes_first_whatever_the_report_order():
