@@ -21,11 +21,10 @@ from typing import Any
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
 from airflow_provider_torchdist.spark.wire.protocol import MasterAnswer, RankError
 
-#: A rank killed by a signal (or gone without a word) died before the driver saw its connection
-#: close, and its peers' errors
-#: about the lost connection arrive within milliseconds of that, in either order under load: its
-#: trouble counts from this many seconds before it was seen gone, so that it comes first.
-SIGNAL_LEAD_S = 1.0
+#: What a rank's error says when the rank failed because a peer's connection went away (gloo's
+#: "Connection closed by peer", "Connection reset by peer"): such a rank is a casualty, never the
+#: root cause, of a peer that died.
+PEER_LOSS = ("by peer",)
 #: How the failure of a rank that vanished without a word is described.
 VANISHED_MESSAGE = (
     "the process died without reporting an error (killed by a signal, "
@@ -146,21 +145,29 @@ class RunLedger:
                 merged[failure.rank if failure.rank is not None else -1 - i] = (
                     own.merge(failure) if own else failure
                 )
-            # A rank that vanished without reporting, while an agent blamed a peer that lost it: it
-            # died first (a SIGKILL that took its agent too). Unless its own node's agent reported
-            # and did not name it: then it is that failure's casualty (the agent ends a node's
-            # other ranks when one fails).
-            for rank, (host, _) in self.vanished.items():
+            # A rank that vanished without a word, while an agent blamed another: it died first (a
+            # SIGKILL, maybe with its agent) and the blamed rank lost it. Unless it is that failure's
+            # casualty: its own node's agent reported without naming it (torch ends a node's other
+            # ranks when one fails), it vanished after the blamed ranks' trouble began, and none of
+            # them failed over a lost peer.
+            began = min((self._first_problem.get(r, float("inf")) for r in merged), default=float("inf"))
+            lost_a_peer = any(_lost_a_peer(f) for f in merged.values())
+            for rank, (host, at) in self.vanished.items():
                 node = self._vanished_nodes.get(rank)
-                casualty = node is not None and node in self._reporting_nodes
+                reported = node is not None and node in self._reporting_nodes
+                casualty = reported and at > began and not lost_a_peer
                 if rank not in merged and rank not in self.rank_errors and not casualty:
                     merged[rank] = RankFailure(rank=rank, host=host, message=VANISHED_MESSAGE)
             first = {**{r: t for r, (_, t) in self.vanished.items()}, **self._first_problem}
-            for failure in merged.values():
-                died = failure.signal or failure.message == VANISHED_MESSAGE
-                if died and failure.exc_type is None and failure.rank in first:
-                    first[failure.rank] -= SIGNAL_LEAD_S
-            # Root cause first: the rank whose trouble started earliest.
+            # Root cause first: the rank whose trouble started earliest, but a rank that failed over
+            # a lost peer after every other (its error and the peer's death come from one instant,
+            # and reach the driver in either order).
             return sorted(
-                merged.values(), key=lambda f: (first.get(f.rank, float("inf")), f.rank is None, f.rank or 0)
+                merged.values(),
+                key=lambda f: (_lost_a_peer(f), first.get(f.rank, float("inf")), f.rank is None, f.rank or 0),
             )
+
+
+def _lost_a_peer(failure: RankFailure) -> bool:
+    """Whether the rank failed because a peer's connection went away (:data:`PEER_LOSS`)."""
+    return failure.exc_type is not None and any(text in (failure.message or "") for text in PEER_LOSS)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from airflow_provider_torchdist.spark.driver.ledger import VANISHED_MESSAGE, RunLedger
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
 from airflow_provider_torchdist.spark.wire.protocol import MasterAnswer, RankError
@@ -96,6 +98,21 @@ def test_a_rank_killed_by_a_signal_comes_first_even_when_a_peers_report_of_the_l
     assert [f.rank for f in failures] == [1, 0] and failures[
         0
     ].summary() == "rank 1 on h failed: killed by SIGKILL"
+
+
+@pytest.mark.parametrize("vanished_at", [4.984, 5.016], ids=["seen-first", "seen-after-the-report"])
+def test_a_killed_rank_its_agent_did_not_name_is_the_root_cause_of_a_peers_lost_connection(vanished_at):
+    """Local mode, one agent for both ranks: rank 1 SIGKILLs itself, rank 0's gloo read fails at
+    once, and torch's agent names only rank 0 (the first of the two it found dead). Rank 1 is no
+    casualty here: rank 0 failed over a lost peer (hunt 28, under a CPU hog)."""
+    ledger = RunLedger()
+    ledger.rank_raised(
+        0, HOST, RankError("RuntimeError", "Connection closed by peer [127.0.0.1]:3201"), at=5.0
+    )
+    ledger.rank_vanished(1, HOST, at=vanished_at, node=0)
+    ledger.agents_failed([RankFailure(rank=0, host=HOST, exitcode=1)], node=0)
+    failures = ledger.failures
+    assert [f.rank for f in failures] == [1, 0] and failures[0].message == VANISHED_MESSAGE
 
 
 def test_a_rank_that_raised_first_stays_first_after_a_peer_killed_much_later():
