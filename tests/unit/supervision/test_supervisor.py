@@ -538,7 +538,8 @@ from airflow_provider_torchdist.spark.wire.outcome import Outcome
 staging = Path(sys.argv[-1]).parent
 publish_value(42, staging)
 Outcome(ok=True).write(staging)
-(staging / "fake.pid").write_text(str(os.getpid()))
+(staging / "fake.pid.tmp").write_text(str(os.getpid()))
+os.replace(staging / "fake.pid.tmp", staging / "fake.pid")  # whole: the test reads it once it exists
 """
 
 
@@ -654,7 +655,8 @@ import json, os, sys, time
 from dataclasses import dataclass
 from pathlib import Path
 staging = Path(sys.argv[-1]).parent
-(staging / "fake.pid").write_text(str(os.getpid()))
+(staging / "fake.pid.tmp").write_text(str(os.getpid()))
+os.replace(staging / "fake.pid.tmp", staging / "fake.pid")  # whole: the test reads it once it exists
 # As a driver does once its run channel listens (no one answers there: the log is not followed).
 (staging / "channel.json").write_text('{{"host": "127.0.0.1", "port": 9}}')
 while not (staging / "stop-request.json").exists():
