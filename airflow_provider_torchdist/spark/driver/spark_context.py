@@ -43,17 +43,33 @@ def stop_spark(sc: Any, fast: bool = True) -> None:
     emit("spark_stopped")
 
 
+PYTHON_TRACEBACK = "Traceback (most recent call last):"
+
+
 def first_line(exc: BaseException) -> str:
-    """The line of ``exc``'s text that says what went wrong: Spark's error condition
-    (``[TABLE_OR_VIEW_NOT_FOUND] The table ...``, as over Spark Connect, where the JVM's stack trace
-    follows), else the first line naming an exception or error."""
+    """The line of ``exc``'s text that says what went wrong: a Spark task's Python error (the last
+    line of the worker's traceback, which Spark puts after a line that only says a worker failed),
+    else Spark's error condition (``[TABLE_OR_VIEW_NOT_FOUND] The table ...``, as over Spark Connect,
+    where the JVM's stack trace follows), else the first line naming an exception or error."""
     text = str(exc).strip().split("JVM stacktrace:", 1)[0].strip()
+    raised = python_error(text)
+    if raised:
+        return f"a Spark task's Python worker failed: {raised}"[:2000]
     if text.startswith("["):
         return text.splitlines()[0].strip()[:2000]
     for line in text.splitlines():
         if "Exception" in line or "Error" in line:
             return line.strip()[:2000]
     return text[:2000]
+
+
+def python_error(text: str) -> str | None:
+    """The exception line of the last Python traceback in ``text`` (``ModuleNotFoundError: ...``):
+    the first line after its frames that is not indented; None without a traceback."""
+    if PYTHON_TRACEBACK not in text:
+        return None
+    frames = text.rsplit(PYTHON_TRACEBACK, 1)[1].splitlines()[1:]
+    return next((line.strip() for line in frames if line.strip() and not line[0].isspace()), None)
 
 
 def group_canceller(sc: Any, group: str) -> Callable[[], None]:

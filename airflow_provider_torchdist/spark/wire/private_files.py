@@ -11,6 +11,7 @@ import contextlib
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -47,11 +48,24 @@ def private_directory(prefix: str) -> str:
     base = Path(tempfile.gettempdir())
     for entry in base.glob(f"{prefix}*"):
         match = named.fullmatch(entry.name)
-        if match and entry.is_dir() and not entry.is_symlink() and entry.stat().st_uid == os.getuid():
-            try:
-                os.kill(int(match[1]), 0)
-            except ProcessLookupError:
-                shutil.rmtree(entry, ignore_errors=True)
-            except OSError:
-                pass  # alive, or not ours to signal
+        if match is None:
+            continue
+        try:
+            # One lstat: a live process may remove its own directory between the listing and here.
+            info = entry.lstat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not _alive(int(match[1])):
+            shutil.rmtree(entry, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process has ``pid`` (one not ours to signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return True

@@ -4,6 +4,7 @@ those whose process is dead (a Spark Python worker killed with SIGKILL leaves it
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,3 +53,31 @@ def test_a_private_file_is_written_whole_and_owner_only(tmp_path: Path) -> None:
     path = write_private_text(tmp_path / "secret.json", '{"k": 1}')
     assert path.read_text() == '{"k": 1}' and path.stat().st_mode & 0o777 == 0o600
     assert [p.name for p in tmp_path.iterdir()] == ["secret.json"]  # no partial file left
+
+
+def test_a_directory_its_process_removes_during_the_sweep_is_passed_over(
+    temp_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two Python workers of one Connect server: one sweeps while the other removes its own
+    directory (its task's ``finally``), right after the sweep's first look at it; the sweep must
+    not raise (stop 40's CI: ``FileNotFoundError`` from the task, a failed run)."""
+    gone = temp_dir / f"torchdist-connect-{dead_pid()}-gone"
+    gone.mkdir()
+
+    def then_removed(name: str):
+        real = getattr(Path, name)
+
+        def look(self: Path, *args, **kwargs):
+            answer = real(self, *args, **kwargs)
+            if self == gone:
+                shutil.rmtree(gone, ignore_errors=True)
+            return answer
+
+        return look
+
+    for name in ("is_dir", "stat", "lstat"):
+        monkeypatch.setattr(Path, name, then_removed(name))
+
+    made = Path(private_directory("torchdist-connect-"))
+
+    assert made.is_dir() and not gone.exists()
