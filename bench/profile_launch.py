@@ -144,6 +144,38 @@ LOCAL_PHASES = [
     DIST_PHASES[20],
 ]
 
+#: The operator's path (``start_run`` + ``follow``): the task starts the run's detached supervisor,
+#: which imports the Spark provider (and so Airflow) and starts spark-submit; the run itself is the
+#: distributed one; at its end the supervisor reads the verdict and the task gets it over the lifeline.
+SUPERVISED_PHASES = [
+    DIST_PHASES[0],
+    (
+        "hook_stage",
+        "hook init, connection, checks, staging (pickle, zip), plan",
+        "imported",
+        "supervisor_start",
+    ),
+    (
+        "supervisor_listen",
+        "supervisor: interpreter, package imports, lock, lifeline listening; the task connects",
+        "supervisor_start",
+        "supervisor_listening",
+    ),
+    (
+        "supervisor_submit",
+        "supervisor: import the Spark provider (Airflow), SparkSubmitHook with its connection",
+        "supervisor_listening",
+        "spark_submit_start",
+    ),
+    *DIST_PHASES[2:20],
+    (
+        "supervisor_after",
+        "supervisor: verdict; the task gets it over the lifeline and reads the value",
+        "spark_submit_end",
+        "done",
+    ),
+]
+
 #: Spans that are not consecutive phases: (key, start point, end point).
 EXTRA_SPANS = [
     ("hook_init", "imported", "hook_start"),
@@ -159,6 +191,7 @@ def _variants() -> dict[str, dict[str, Any]]:
     return {
         "distributed": {"mode": "--distributed"},
         "local": {"mode": "--local"},
+        "supervised": {"mode": "--distributed", "supervised": True},
         "distributed+fast_jvm_start=False": {"mode": "--distributed", "hook": {"fast_jvm_start": False}},
         "local+fast_jvm_start=False": {"mode": "--local", "hook": {"fast_jvm_start": False}},
         "distributed+ui_off": {"mode": "--distributed", "conf": {"spark.ui.enabled": "false"}},
@@ -170,10 +203,19 @@ def _variants() -> dict[str, dict[str, Any]]:
     }
 
 
+def phase_spec(variant: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """The consecutive phases of ``variant``'s launch."""
+    if variant.get("supervised"):
+        return SUPERVISED_PHASES
+    return LOCAL_PHASES if variant["mode"] == "--local" else DIST_PHASES
+
+
 def traced_run(variant: dict[str, Any], workdir: Path, env: dict[str, str]) -> dict[str, Any]:
     """One observed hook run; returns its RESULT: its own timestamps, the events, the processes."""
     trace = Path(tempfile.mkstemp(prefix="trace-", suffix=".jsonl", dir=workdir)[1])
     cmd = [PYTHON, str(WORKLOADS / "hook_traced.py"), variant["mode"], "--trace", str(trace)]
+    if variant.get("supervised"):
+        cmd.append("--supervised")
     for key, value in variant.get("conf", {}).items():
         cmd += ["--conf", f"{key}={value}"]
     for key, value in variant.get("env", {}).items():
@@ -289,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_no in range(1, rounds + 1):
             for name, variant in variants.items():
                 run = traced_run(variant, workdir, env)
-                spec = LOCAL_PHASES if variant["mode"] == "--local" else DIST_PHASES
+                spec = phase_spec(variant)
                 ph = phases(run, spec)
                 ph["load1"] = run["load1"]
                 runs[name].append(ph)
@@ -320,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             "phases": {
                 "distributed": [{"key": k, "label": lbl} for k, lbl, _, _ in DIST_PHASES],
                 "local": [{"key": k, "label": lbl} for k, lbl, _, _ in LOCAL_PHASES],
+                "supervised": [{"key": k, "label": lbl} for k, lbl, _, _ in SUPERVISED_PHASES],
             },
             "medians": summary,
             "samples": runs,

@@ -1,6 +1,9 @@
 """One launch through the hook, observed, for the launch profile.
 
-``python hook_traced.py --local|--distributed --trace FILE [--conf KEY=VALUE ...] [--env KEY=VALUE ...]``
+``python hook_traced.py --local|--distributed [--supervised] --trace FILE [--conf KEY=VALUE ...] [--env KEY=VALUE ...]``
+
+``--supervised``: the operator's path, ``start_run`` (a detached supervisor, which starts
+spark-submit) and ``follow`` over its lifeline, instead of ``hook.run``.
 
 Nothing in the package is patched or replaced. The run is observed two ways:
 
@@ -35,6 +38,7 @@ from ddp_trivial import train  # noqa: E402
 
 from airflow_provider_torchdist import TorchDistributorHook  # noqa: E402
 from airflow_provider_torchdist.spark.wire.events import EVENT_LOG_ENV, read_events  # noqa: E402
+from airflow_provider_torchdist.spark.wire.output_store import read_output  # noqa: E402
 
 T_IMPORTED = time.time()
 
@@ -109,6 +113,11 @@ def main() -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--local", action="store_true")
     mode.add_argument("--distributed", action="store_true")
+    parser.add_argument(
+        "--supervised",
+        action="store_true",
+        help="the operator's path: start_run + follow (a detached supervisor)",
+    )
     parser.add_argument("--trace", required=True, help="file every process of the run appends events to")
     parser.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE", help="extra Spark conf")
     parser.add_argument(
@@ -136,7 +145,9 @@ def main() -> None:
         fast_jvm_start=not args.no_fast_jvm_start,
     )
     t_run = time.time()
-    value = hook.run(train)
+    value = (
+        hook.follow(hook.start_run(train, durable=False), read_output) if args.supervised else hook.run(train)
+    )
     t_done = time.time()
     time.sleep(0.1)
     sampler.stop()
