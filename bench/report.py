@@ -109,6 +109,7 @@ def _launch(sec: dict[str, Any]) -> list[str]:
         rows.append([f"{r['numerator']} / {r['denominator']}", _s(r["ratio"]), target, _verdict(r["met"])])
     lines += _table(["ratio", "value", "target", ""], rows)
     if "hook_connect" in sec["stats"]:
+        st = sec["stats"]["hook_connect"]
         lines += [
             "",
             "Where `hook_connect`'s time goes. Runs of one user against one server share a Connect "
@@ -118,8 +119,9 @@ def _launch(sec: dict[str, Any]) -> list[str]:
             "the ranks' start, all-reduce and end, 1.0 s; the rest, 0.4 s). In these interleaved rounds "
             "other variants run for about 45 s between two Connect runs, and Spark ends Python workers "
             "idle for a minute, so some rounds start workers again (about 0.75 s, then 0.85 s to import "
-            "torch): hence 4.3 to 4.9 s here. Before the sessions were shared every run paid that, "
-            "1.49 x raw torchrun in the same kind of run.",
+            f"torch): hence {_s(st['min_s'])} to {_s(st['max_s'])} s here (the 3.0 s and its phases are "
+            "from an earlier measurement). Before the sessions were shared every run paid the "
+            "workers' start, 1.49 x raw torchrun in the same kind of run.",
         ]
     return lines + [""]
 
