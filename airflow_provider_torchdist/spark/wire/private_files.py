@@ -61,11 +61,12 @@ def private_directory(prefix: str) -> str:
 
 
 def _alive(pid: int) -> bool:
-    """Whether a process has ``pid`` (one not ours to signal counts as alive)."""
+    """Whether a process may have ``pid``: one not ours to signal, or a number past the PID range,
+    counts as alive."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:
-        pass
+    except (OSError, OverflowError):
+        pass  # not ours to signal, or a number no PID can be: leave its directory alone
     return True

@@ -81,3 +81,13 @@ def test_a_directory_its_process_removes_during_the_sweep_is_passed_over(
     made = Path(private_directory("torchdist-connect-"))
 
     assert made.is_dir() and not gone.exists()
+
+
+def test_a_name_whose_number_is_no_possible_pid_is_left_and_does_not_fail(temp_dir: Path) -> None:
+    """``os.kill`` raises OverflowError, not OSError, for a number past the PID range."""
+    huge = temp_dir / "torchdist-data-99999999999999999999999-abc"
+    huge.mkdir()
+
+    made = Path(private_directory("torchdist-data-"))
+
+    assert made.is_dir() and huge.is_dir()
