@@ -32,7 +32,12 @@ from airflow_provider_torchdist.spark.driver.executor_loss import (
     lost_executor_message,
     wait_for_loss,
 )
-from airflow_provider_torchdist.spark.driver.finish import finish, finished_code
+from airflow_provider_torchdist.spark.driver.finish import (
+    exit_without_teardown,
+    finish,
+    finished_code,
+    ran_here,
+)
 from airflow_provider_torchdist.spark.driver.owner import read_owner_token, write_channel_address
 from airflow_provider_torchdist.spark.driver.rank_logs import rank_filter
 from airflow_provider_torchdist.spark.driver.spark_context import (
@@ -284,6 +289,8 @@ def run_and_exit(argv: list[str]) -> None:
     die_with_parent(signal.SIGTERM, parent_may_be_init=True)
     code = main(argv)
     emit("driver_exit", code=code)
+    if ran_here(Path(argv[1])):
+        exit_without_teardown(code)  # torch is loaded here: its teardown would cost 0.4 s
     sys.stdout.flush()
     sys.exit(code)
 

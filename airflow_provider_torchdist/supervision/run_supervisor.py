@@ -38,7 +38,7 @@ from airflow_provider_torchdist.supervision.submission import (
     run_verdict,
     submission_of,
 )
-from airflow_provider_torchdist.supervision.sweep import ADDRESS_FILE
+from airflow_provider_torchdist.supervision.sweep import ADDRESS_FILE, process_started
 
 #: How often a stopping supervisor looks whether the ranks declined the grace period.
 STOP_POLL_S = 0.1
@@ -101,7 +101,8 @@ class RunSupervisor(OwnerRules):
         if host in ("0.0.0.0", "::"):  # listening everywhere: owners need a name for this machine
             host = socket.getfqdn()
         write_private_text(
-            self.staging_dir / ADDRESS_FILE, json.dumps({"host": host, "port": port, "pid": os.getpid()})
+            self.staging_dir / ADDRESS_FILE,
+            json.dumps({"host": host, "port": port, "pid": os.getpid(), "started": process_started()}),
         )
         with self._cond:
             self._wait_for_owner(self._first_owner_wait())

@@ -6,7 +6,7 @@ does neither. Each supervisor therefore sweeps at start, removing only what prov
 dead process of this user:
 
 - ``torchdist-<random>`` staging directories of supervised runs: those whose supervisor (the
-  ``pid`` of ``supervisor.addr``) is dead, and those without ``supervisor.addr`` whose
+  ``pid`` of ``supervisor.addr``, the same process if it started at ``started``) is dead, and those without ``supervisor.addr`` whose
   ``supervisor.json`` is older than ``STALE_AFTER_S`` (the supervisor died before it listened; the
   task waits for that one minute at most). A staging directory without ``supervisor.json`` is an
   in-process run's (``hook.run()``), which may train for hours with nothing to tell it is alive:
@@ -31,15 +31,23 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import psutil
+
 from airflow_provider_torchdist.supervision.processes import command_line, is_alive
 
 #: In a supervised run's staging directory: the supervisor's settings, written by the task before
 #: the supervisor starts (so a staging directory that has it is a supervised run's).
 SUPERVISOR_FILE = "supervisor.json"
-#: ... and ``{"host", "port", "pid"}``, written by the supervisor once its lifeline listens.
+#: ... and ``{"host", "port", "pid", "started"}``, written by the supervisor once its lifeline listens
+#: (``started``: its process's start time, :func:`process_started`; a live ``pid`` that started at
+#: another time is a recycled PID).
 ADDRESS_FILE = "supervisor.addr"
-#: The supervisor's module: a live ``pid`` whose command line does not name it is a recycled PID.
+#: The supervisor's module (a supervisor started as a new interpreter runs it), and the title of a
+#: forked one: an address without ``started`` whose live ``pid`` names neither is a recycled PID.
 SUPERVISOR_MODULE = "airflow_provider_torchdist.supervision.supervisor"
+SUPERVISOR_TITLE = "torchdist supervisor"
+#: How far apart two readings of one process's start time may be (the clock ticks it is kept in).
+_SAME_START_S = 0.5
 #: Where the supervisor's module was in earlier releases: a run started by one, still live
 #: after an upgrade, is still recognised (its directory is not stale).
 EARLIER_SUPERVISOR_MODULES = ("airflow_provider_torchdist.supervisor ",)
@@ -98,9 +106,9 @@ def is_stale(path: Path, now: float | None = None) -> bool:
         return not is_alive(int(agent.group(1)))
     if name.startswith(AGENT_PREFIX):
         return False  # an agent directory of an older version: nothing tells whether it is live
-    pid = _supervisor_pid(path / ADDRESS_FILE)
-    if pid is not None:
-        return not _supervisor_alive(pid)
+    address = _supervisor_address(path / ADDRESS_FILE)
+    if address is not None:
+        return not _supervisor_alive(*address)
     try:
         config = os.lstat(path / SUPERVISOR_FILE)
     except OSError:
@@ -108,19 +116,35 @@ def is_stale(path: Path, now: float | None = None) -> bool:
     return stat.S_ISREG(config.st_mode) and now - config.st_mtime > STALE_AFTER_S
 
 
-def _supervisor_pid(address: Path) -> int | None:
+def _supervisor_address(address: Path) -> tuple[int, float | None] | None:
+    """The ``pid`` and ``started`` of a supervisor's address file (None: none, or unreadable)."""
     try:
         fd = os.open(address, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd) as f:
-            pid = json.load(f).get("pid")
+            data = json.load(f)
+        pid, started = data.get("pid"), data.get("started")
     except (OSError, ValueError, AttributeError):
         return None
-    return pid if type(pid) is int and pid > 0 else None
+    if type(pid) is not int or pid <= 0:
+        return None
+    return pid, started if type(started) is float else None
 
 
-def _supervisor_alive(pid: int) -> bool:
+def process_started(pid: int | None = None) -> float | None:
+    """When process ``pid`` (default: this one) started, as ``psutil`` tells it; None if gone."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _supervisor_alive(pid: int, started: float | None) -> bool:
     if not is_alive(pid):
         return False
+    if started is not None:  # the same process, whatever its command line shows
+        now_started = process_started(pid)
+        return now_started is None or abs(now_started - started) < _SAME_START_S
     cmd = command_line(pid)
     # An unreadable command line is taken for the supervisor: never remove a live run's directory.
-    return not cmd or SUPERVISOR_MODULE in cmd or any(old in cmd for old in EARLIER_SUPERVISOR_MODULES)
+    markers = (SUPERVISOR_MODULE, SUPERVISOR_TITLE, *EARLIER_SUPERVISOR_MODULES)
+    return not cmd or any(marker in cmd for marker in markers)

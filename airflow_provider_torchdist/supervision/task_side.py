@@ -1,8 +1,8 @@
 """The Airflow side of a supervised run: start its supervisor, then own it over the lifeline.
 
 A supervised run (the operator's path) is not a child of the task process. The task stages the
-work and plans spark-submit as usual, then starts ``python -m airflow_provider_torchdist.supervision.supervisor``
-in a session of its own (:func:`start_supervisor`). The supervisor runs spark-submit and keeps the
+work and plans spark-submit as usual, then starts the run's supervisor in a session of its own
+(:func:`start_supervisor`; a fork of the task's process, :mod:`~airflow_provider_torchdist.supervision.launch`). The supervisor runs spark-submit and keeps the
 run's log, metrics and output; the task, a trigger or a retry owns it over the lifeline
 (:mod:`~airflow_provider_torchdist.supervision.lifeline`) with the credential derived from the run id
 (:func:`~airflow_provider_torchdist.supervision.record.owner_secret`). How long a run outlives a lost owner
@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +32,7 @@ from airflow_provider_torchdist.submit.plan import SubmitPlan
 from airflow_provider_torchdist.submit.properties import write_private_text
 from airflow_provider_torchdist.submit.staging import StagedRun
 from airflow_provider_torchdist.supervision.config import ERROR_FILE, LOCK_WAIT_FILE, LOG_FILE, PLAN_FILE
+from airflow_provider_torchdist.supervision.launch import launch_supervisor
 from airflow_provider_torchdist.supervision.lifeline import (
     AppEvent,
     DoneEvent,
@@ -46,11 +45,11 @@ from airflow_provider_torchdist.supervision.lifeline import (
     query_status,
 )
 from airflow_provider_torchdist.supervision.lock import MAX_ENDING_S
-from airflow_provider_torchdist.supervision.processes import end_session, start_detached
+from airflow_provider_torchdist.supervision.processes import end_session
 from airflow_provider_torchdist.supervision.record import RunRecord, TaskBinding, owner_secret
-from airflow_provider_torchdist.supervision.sweep import ADDRESS_FILE, SUPERVISOR_FILE, SUPERVISOR_MODULE
+from airflow_provider_torchdist.supervision.sweep import ADDRESS_FILE, SUPERVISOR_FILE
 
-#: How long the task waits for its supervisor to listen (it imports, locks, binds: about a second).
+#: How long the task waits for its supervisor to listen (it locks and binds; a new interpreter imports first).
 START_TIMEOUT_S = 60.0
 #: The states of a run a new owner can still take over; "gone" is a run whose supervisor is not there.
 ACTIVE_STATES = ("starting", "running")
@@ -89,11 +88,7 @@ def start_supervisor(
     run_id = staged.spec.run_id
     _hand_over(staged, plan, durable, reattach_timeout, bind_host, checkpoint_dir, task)
     emit("supervisor_start")
-    process = start_detached(
-        [sys.executable, "-m", SUPERVISOR_MODULE, str(staged.dir)],
-        env=supervisor_environment(os.environ),
-        log=staged.dir / LOG_FILE,
-    )
+    process = launch_supervisor(staged.dir)
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         address = _read_address(staged.dir / ADDRESS_FILE)
@@ -146,19 +141,6 @@ def _hand_over(
             }
         ),
     )
-
-
-def supervisor_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The task's environment for the supervisor, less the metadata DB it must not touch.
-
-    Airflow's task runner blocks the task's own DB access with an unparsable
-    ``SQL_ALCHEMY_CONN`` (``airflow-db-not-allowed:///``), which the supervisor would fail to import
-    Airflow with. It needs no DB (the plan holds the resolved connection): an in-memory SQLite URL,
-    never the deployment's database."""
-    env = dict(environ)
-    env.pop("AIRFLOW__CORE__SQL_ALCHEMY_CONN", None)
-    env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = "sqlite://"
-    return env
 
 
 def _lock_wait_deadline(staging: Path) -> float:

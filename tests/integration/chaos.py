@@ -34,7 +34,7 @@ import psutil
 
 from tests.cluster import ClusterInfo, restart_lost_workers
 from tests.integration.deployment import Deployment, wait_for
-from tests.integration.run_processes import SUPERVISOR_MODULE, of_this_worker
+from tests.integration.run_processes import is_supervisor, of_this_worker, staging_of
 
 STEPS = 60
 #: Nothing of a run may be left this long after it ended.
@@ -124,7 +124,7 @@ class RunWatch:
             for sup in supervisors():
                 self._note(sup)
                 with contextlib.suppress(psutil.Error, IndexError):
-                    self.staging.add(Path(sup.cmdline()[-1]))
+                    self.staging.add(staging_of(sup))
                     for child in sup.children(recursive=True):
                         self._note(child)
             for rank in live_ranks(self._ranks):
@@ -166,7 +166,7 @@ def supervisors() -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
-            if SUPERVISOR_MODULE in " ".join(proc.cmdline()) and of_this_worker(proc):
+            if is_supervisor(proc) and of_this_worker(proc):
                 found.append(proc)
     return found
 

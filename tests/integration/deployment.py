@@ -38,6 +38,8 @@ from typing import Any
 import psutil
 import pytest
 
+from tests.integration.run_processes import OWN_DIRECTORIES
+
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "scripts" / "airflow-standalone"
 #: The DAG folders the shared deployment serves, each linked into its DAG folder under this name.
@@ -382,19 +384,28 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
 def processes_of(home: Path, pgid: int) -> list[psutil.Process]:
     """Every live process of this deployment: in the launcher's session (the launcher leads both its
     session and process group; task processes take a process group of their own), or started with its
-    AIRFLOW_HOME (task processes give spark-submit a session of its own). Airflow's retitled
-    processes (``airflow worker -- ...``) show an empty environment, hence the session."""
+    AIRFLOW_HOME (task processes give spark-submit a session of its own), or naming its home in its
+    command line (a run supervisor, forked from a task process: its title names its staging
+    directory). Airflow's retitled processes (``airflow worker -- ...``) show an empty environment,
+    hence the session."""
     found = []
     for proc in psutil.process_iter():
         try:
             if proc.status() == psutil.STATUS_ZOMBIE:
                 continue
             ours = pgid in (os.getpgid(proc.pid), os.getsid(proc.pid))
-            if ours or proc.environ().get("AIRFLOW_HOME") == str(home):
+            if ours or f"{home}{os.sep}" in " ".join(proc.cmdline()):
+                found.append(proc)
+            elif proc.environ().get("AIRFLOW_HOME") == str(home):
                 found.append(proc)
         except (psutil.Error, ProcessLookupError):
             continue
     return found
+
+
+def _made(path: Path) -> Path:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
 
 
 def dag_folder(path: Path, sources: dict[str, Path] = DAG_FOLDERS) -> Path:
@@ -424,11 +435,15 @@ def start_deployment(
         # The tasks' Connect session ids (spark.connect.sessions.session_cache): the deployment's own.
         "XDG_CACHE_HOME": str(home / "cache"),
         "TORCHDIST_NO_LOGIN": "1",
+        # Its tasks stage their runs under its home: their supervisors (forked from retitled task
+        # processes, so with no readable environment) name it in their process titles.
+        "TMPDIR": str(_made(home / "tmp")),
         "READY_TIMEOUT": str(READY_TIMEOUT),
         # A PATH without the venv: the launcher must put it there itself (components run as `airflow`).
         "PATH": os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if ".venv" not in p),
     }
     env |= settings or {}
+    OWN_DIRECTORIES.append(str(home))
     started = time.monotonic()
     with open(home / "launcher.log", "wb") as out:
         launcher = subprocess.Popen(

@@ -22,7 +22,24 @@ import psutil
 import pytest
 
 SUPERVISOR_MODULE = "airflow_provider_torchdist.supervision.supervisor"
+#: How a supervisor's command line shows: a forked one's title, or a new interpreter's module.
+SUPERVISOR_MARKERS = ("torchdist supervisor ", SUPERVISOR_MODULE)
 OWNER_VARIABLE = "TORCHDIST_TEST_OWNER"
+#: Directories only this worker's runs use (a deployment's home, where its tasks stage their runs):
+#: a process whose environment is unreadable is this worker's when its command line names one.
+OWN_DIRECTORIES: list[str] = []
+
+
+def is_supervisor(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is a run supervisor (raises ``psutil.Error`` when it is gone)."""
+    cmd = " ".join(proc.cmdline())
+    return any(marker in cmd for marker in SUPERVISOR_MARKERS)
+
+
+def staging_of(supervisor: psutil.Process) -> Path:
+    """A supervisor's staging directory: the last word of its command line (a retitled process's
+    command line is one string, padded with empty ones)."""
+    return Path(" ".join(supervisor.cmdline()).split()[-1])
 
 
 def mark_this_worker() -> None:
@@ -38,11 +55,17 @@ def mark_this_worker() -> None:
 def of_this_worker(proc: psutil.Process) -> bool:
     """Whether ``proc`` was started by this pytest worker (it carries the worker's mark).
 
-    A retitled process (Airflow's ``airflow worker -- ...``) shows an empty environment and so is
-    never this worker's: the scans here look for run processes, which are not retitled.
+    A retitled process (Airflow's ``airflow worker -- ...``, and a supervisor forked from one) shows
+    an empty environment: it is this worker's when it is this process's child (a supervisor forked
+    here) or its command line names one of :data:`OWN_DIRECTORIES` (a deployment's supervisor names
+    its staging directory, under the deployment's home).
     """
     try:
-        return proc.environ().get(OWNER_VARIABLE) == os.environ[OWNER_VARIABLE]
+        environ = proc.environ()
+        if environ:
+            return environ.get(OWNER_VARIABLE) == os.environ[OWNER_VARIABLE]
+        cmd = " ".join(proc.cmdline())
+        return proc.ppid() == os.getpid() or any(f"{d}{os.sep}" in cmd for d in OWN_DIRECTORIES)
     except (psutil.Error, OSError):
         return False
 
@@ -52,7 +75,7 @@ def supervisors() -> dict[int, psutil.Process]:
     found = {}
     for proc in psutil.process_iter():
         try:
-            if SUPERVISOR_MODULE in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
+            if is_supervisor(proc) and proc.status() != psutil.STATUS_ZOMBIE:
                 if of_this_worker(proc):
                     found[proc.pid] = proc
         except psutil.Error:
@@ -88,7 +111,7 @@ def supervisor_above(pid: int) -> psutil.Process:
     """The run supervisor among ``pid``'s ancestors (``pid`` a rank of the run)."""
     proc = psutil.Process(pid)
     for candidate in [proc, *proc.parents()]:
-        if SUPERVISOR_MODULE in " ".join(candidate.cmdline()):
+        if is_supervisor(candidate):
             return candidate
     raise AssertionError(f"process {pid} has no run supervisor among its ancestors")
 
@@ -103,7 +126,7 @@ def run_tree(supervisor: psutil.Process, ranks: Iterable[int]) -> tuple[dict[int
             tree[proc.pid] = " ".join(proc.cmdline())[:160]
         except psutil.Error:  # a short-lived child that has just exited
             continue
-    return tree, Path(supervisor.cmdline()[-1])
+    return tree, staging_of(supervisor)
 
 
 def alive(pids: dict[int, str]) -> dict[int, str]:

@@ -60,11 +60,15 @@ def connect_lifetime_conn(deployment: Deployment, connect_server: ConnectServer)
 
 
 def _new_supervisors(deployment: Deployment, before: set[int]) -> dict[int, psutil.Process]:
-    """The run supervisors of this deployment's tasks (started with its AIRFLOW_HOME) not in ``before``."""
+    """The run supervisors of this deployment's tasks (staging under its home, or started with its
+    AIRFLOW_HOME) not in ``before``."""
     found = {}
     for pid, proc in supervisors().items():
         with contextlib.suppress(psutil.Error):
-            if pid not in before and proc.environ().get("AIRFLOW_HOME") == str(deployment.home):
+            # A forked supervisor's environment is its task process's, unreadable (retitled): its
+            # title names its staging directory, under the deployment's home (its TMPDIR).
+            named = f"{deployment.home}{os.sep}" in " ".join(proc.cmdline())
+            if pid not in before and (named or proc.environ().get("AIRFLOW_HOME") == str(deployment.home)):
                 found[pid] = proc
     return found
 

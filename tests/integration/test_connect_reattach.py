@@ -25,6 +25,7 @@ from airflow_provider_torchdist.spark.wire.connect_ids import split_operation
 from airflow_provider_torchdist.supervision.lifeline import query_status
 from airflow_provider_torchdist.supervision.task_side import GONE, run_state
 from tests.integration.connect_server import ConnectServer
+from tests.integration.run_processes import is_supervisor, staging_of
 from tests.integration.test_connect import wait_gone
 
 pytestmark = pytest.mark.integration
@@ -155,12 +156,8 @@ def test_a_lost_supervisors_connect_job_is_interrupted_from_the_runs_record(
     hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
     record = hook.start_run(gated, [str(tmp_path)], {}, durable=True, reattach_timeout=300.0)
     hook.detach()  # no owner now: a durable run waits for the next
-    (supervisor,) = [
-        p
-        for p in psutil.Process().children()
-        if "airflow_provider_torchdist.supervision.supervisor" in " ".join(p.cmdline())
-    ]
-    staging = Path(supervisor.cmdline()[-1])
+    (supervisor,) = [p for p in psutil.Process().children() if is_supervisor(p)]
+    staging = staging_of(supervisor)
     driver = None
     try:
         pids = wait_training(tmp_path)
@@ -202,12 +199,8 @@ def test_a_sigkilled_supervisor_takes_its_connect_driver_and_job_with_it(
     hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
     hook.start_run(gated, [str(tmp_path)], {}, durable=True, reattach_timeout=300.0)
     hook.detach()  # a durable run without an owner waits for one: only the supervisor's death ends it
-    (supervisor,) = [
-        p
-        for p in psutil.Process().children()
-        if "airflow_provider_torchdist.supervision.supervisor" in " ".join(p.cmdline())
-    ]
-    staging = Path(supervisor.cmdline()[-1])
+    (supervisor,) = [p for p in psutil.Process().children() if is_supervisor(p)]
+    staging = staging_of(supervisor)
     try:
         pids = wait_training(tmp_path)
         (driver,) = [p for p in supervisor.children() if "spark.connect.driver" in " ".join(p.cmdline())]

@@ -136,12 +136,12 @@ def test_a_sigkilled_supervisor_leaves_nothing_of_its_run_running(local_mode: bo
     run is left 20 s later, checked by PID."""
     import psutil
 
-    from tests.integration.run_processes import SUPERVISOR_MODULE
+    from tests.integration.run_processes import is_supervisor
 
     hook = TorchDistributorHook(num_processes=2, local_mode=local_mode)
     hook.start_run(sleep_forever, [str(tmp_path)], {}, durable=True, reattach_timeout=300.0)
     hook.detach()  # a durable run without an owner waits for one: only the supervisor's death ends it
-    (supervisor,) = [p for p in psutil.Process().children() if SUPERVISOR_MODULE in " ".join(p.cmdline())]
+    (supervisor,) = [p for p in psutil.Process().children() if is_supervisor(p)]
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)):
         assert time.monotonic() < deadline, "the ranks never started"

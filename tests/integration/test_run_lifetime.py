@@ -16,8 +16,9 @@ import pytest
 
 from tests.integration.deployment import Deployment, wait_for
 from tests.integration.run_processes import (
-    SUPERVISOR_MODULE,
+    is_supervisor,
     run_tree,
+    staging_of,
     supervisor_above,
     wait_gone,
 )
@@ -37,9 +38,9 @@ def _training(gate: Path) -> bool:
 
 
 def _supervisor_of(task_pid: int) -> psutil.Process:
-    """The run's supervisor: the task process's child running the supervisor module."""
+    """The run's supervisor: the task process's child that is one (forked from it, or a new interpreter)."""
     for child in psutil.Process(task_pid).children():
-        if SUPERVISOR_MODULE in " ".join(child.cmdline()):
+        if is_supervisor(child):
             return child
     raise AssertionError(f"task process {task_pid} has no run supervisor child")
 
@@ -56,7 +57,7 @@ def test_sigkill_of_a_non_durable_task_leaves_nothing_of_its_run_within_15_s(
     run_id = _trigger_until_training(deployment, "lifetime_nondurable", gate)
     task = deployment.task_pid("lifetime_nondurable", run_id, "train")
     supervisor = _supervisor_of(task)
-    staging = Path(supervisor.cmdline()[-1])
+    staging = staging_of(supervisor)
     tree = _run_tree(supervisor, gate)
     assert staging.is_dir() and len(tree) > 4, tree
 
@@ -152,7 +153,7 @@ def test_mark_failed_while_deferred_leaves_nothing_of_the_run_within_15_s(
     run_id = _trigger_until_training(deployment, dag, gate)
     deployment.wait_trigger(dag, run_id, "train")
     supervisor = _supervisor_for(gate)
-    staging = Path(supervisor.cmdline()[-1])
+    staging = staging_of(supervisor)
     tree = _run_tree(supervisor, gate)
     deployment.mark_failed(dag, run_id, "train")
     marked = time.monotonic()
@@ -168,7 +169,7 @@ def test_a_durable_run_nobody_comes_back_for_is_torn_down_after_reattach_timeout
     wait_for(lambda: _training(gate), 240, "both ranks to be training", interval=0.2)
     task = deployment.task_pid(dag, run_id, "train")
     supervisor = _supervisor_of(task)
-    staging = Path(supervisor.cmdline()[-1])
+    staging = staging_of(supervisor)
     tree = _run_tree(supervisor, gate)
     os.kill(task, signal.SIGKILL)
     killed = time.monotonic()
@@ -214,7 +215,7 @@ def test_a_retry_without_the_record_is_refused_by_the_live_runs_checkpoint_lock(
     run_id = _trigger_until_training(deployment, dag, gate)
     task = deployment.task_pid(dag, run_id, "train")
     supervisor = _supervisor_of(task)
-    staging = Path(supervisor.cmdline()[-1])
+    staging = staging_of(supervisor)
     tree = _run_tree(supervisor, gate)
     os.kill(task, signal.SIGKILL)
     # The record is lost (deleted through the REST API): the retry cannot know of the live run.

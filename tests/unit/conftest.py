@@ -220,7 +220,7 @@ def plan_without_a_run(
 
 
 class _InlineProcess:
-    """What ``start_supervisor`` needs of the supervisor's ``Popen``, for one served in a thread."""
+    """What ``start_supervisor`` needs of a started supervisor, for one served in a thread."""
 
     def __init__(self, thread: threading.Thread) -> None:
         self.pid = os.getpid()
@@ -249,8 +249,7 @@ def inline_supervisor(monkeypatch: pytest.MonkeyPatch) -> list[object]:
 
     started: list[object] = []
 
-    def start_detached(cmd, **kwargs):
-        staging = Path(cmd[-1])
+    def launch_supervisor(staging: Path):
         config = SupervisorConfig.read(staging)
         supervisor = RunSupervisor(staging, config, plan_text=read_plan_text(staging))
         supervisor.listen()
@@ -259,7 +258,7 @@ def inline_supervisor(monkeypatch: pytest.MonkeyPatch) -> list[object]:
         thread.start()
         return _InlineProcess(thread)
 
-    monkeypatch.setattr(run_owner, "start_detached", start_detached)
+    monkeypatch.setattr(run_owner, "launch_supervisor", launch_supervisor)
     return started
 
 

@@ -236,6 +236,10 @@ ALLOWED_PRIVATE_ACCESS = {
     ("spark/driver/channel.py", "channel._serve"),
     # os._exit: a documented function; a process whose parent is gone leaves without teardown.
     ("spark/wire/parent_death.py", "os._exit"),
+    # The local-mode driver ends without the interpreter's teardown (0.4 s with torch loaded).
+    ("spark/driver/finish.py", "os._exit"),
+    # A forked supervisor never returns into the task's code (as Airflow's forked task processes).
+    ("supervision/forked.py", "os._exit"),
     # The one seam into another package: Spark's JVM through py4j (PySpark's StatusTracker stops at
     # job and stage counts). Every distributed integration run goes through it.
     ("spark/driver/jvm_status.py", "sc._jsc"),

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import sys
 from pathlib import Path
+from typing import NoReturn
 
+from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spark.wire.outcome import Outcome
 
 #: The exit code of each run whose outcome is out (:func:`finish` runs once per run).
@@ -41,3 +47,29 @@ def _write_and_say(outcome: Outcome, staging: Path) -> int:
 def finished_code(staging: Path) -> int | None:
     """The exit code of the run in ``staging`` once its outcome is out; None before."""
     return _FINISHED.get(staging)
+
+
+def ran_here(spec_path: Path) -> bool:
+    """Whether the run of the spec at ``spec_path`` was a local-mode one: its ranks ran under this
+    process's agent (False when the spec is unreadable: that run failed already)."""
+    try:
+        return JobSpec.read(spec_path).local_mode
+    except Exception:
+        return False
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """End this process with ``code`` at once: log handlers and the standard streams flushed, then
+    ``os._exit``, skipping the interpreter's teardown.
+
+    For the local-mode driver, whose process has torch loaded (torchrun's agent ran here): tearing
+    that interpreter down takes about 0.4 s (0.02 s this way, ``bench/profile_launch.py``), and
+    spark-submit, so the run's owner, waits for it. Nothing of the run needs it by then: the
+    outcome is written and closed, the ranks reaped, the agent's directories removed, and no
+    SparkContext is up (a local run that read ``train_data`` stopped its own). Airflow's task
+    processes and multiprocessing's children end the same way."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+    os._exit(code)

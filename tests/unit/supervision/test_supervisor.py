@@ -171,7 +171,13 @@ def stays_up(h: Harness, seconds: float) -> bool:
 def test_the_address_is_published_privately(harness):
     h = harness(durable=True, reattach=5)
     path = h.staging / ADDRESS_FILE
-    assert json.loads(path.read_text()) == {"host": "127.0.0.1", "port": h.port, "pid": os.getpid()}
+    started = psutil.Process().create_time()
+    assert json.loads(path.read_text()) == {
+        "host": "127.0.0.1",
+        "port": h.port,
+        "pid": os.getpid(),
+        "started": started,
+    }
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert query_status(h.host, h.port, RUN, SECRET).state == "running"
 

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from airflow_provider_torchdist.supervision.sweep import (
@@ -28,12 +29,22 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def staging(base: Path, name: str, *, addr_pid: int | None = None, config_age: float | None = None) -> Path:
+def staging(
+    base: Path,
+    name: str,
+    *,
+    addr_pid: int | None = None,
+    config_age: float | None = None,
+    started: float | None = None,
+) -> Path:
     path = base / name
     path.mkdir()
     (path / "spec.json").write_text("{}")
     if addr_pid is not None:
-        (path / ADDRESS_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": 1, "pid": addr_pid}))
+        address = {"host": "127.0.0.1", "port": 1, "pid": addr_pid}
+        if started is not None:
+            address["started"] = started
+        (path / ADDRESS_FILE).write_text(json.dumps(address))
     if config_age is not None:
         config = path / SUPERVISOR_FILE
         config.write_text("{}")
@@ -61,6 +72,17 @@ def test_a_dead_supervisors_staging_dir_goes_and_a_live_ones_stays(tmp_path, dea
     finally:
         supervisor.kill()
         supervisor.wait()
+
+
+def test_a_supervisor_is_known_by_its_start_time_whatever_its_command_line(tmp_path, dead_pid):
+    """A forked supervisor's command line is its title, or the task's where a title does not fit:
+    the start time in its address tells it from a recycled PID instead."""
+    me = psutil.Process().create_time()  # this process's command line names no supervisor
+    live = staging(tmp_path, "torchdist-live", addr_pid=os.getpid(), config_age=1, started=me)
+    recycled = staging(tmp_path, "torchdist-recycled", addr_pid=os.getpid(), config_age=1, started=me - 5.0)
+    dead = staging(tmp_path, "torchdist-dead", addr_pid=dead_pid, config_age=1, started=me)
+    assert sorted(sweep_stale(tmp_path)) == sorted([recycled, dead])
+    assert live.is_dir()
 
 
 def test_a_supervised_dir_without_an_address_goes_only_when_old(tmp_path):

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from airflow_provider_torchdist.spark.driver.finish import finish, finished_code
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from airflow_provider_torchdist.spark.driver.finish import finish, finished_code, ran_here
+from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spark.wire.outcome import Outcome
 
 
@@ -14,3 +20,40 @@ def test_an_outcome_is_written_and_said_once_and_its_code_kept(tmp_path, capsys)
     assert finished_code(tmp_path) == 0
     assert Outcome.read(tmp_path).ok
     assert capsys.readouterr().out.count("[torchdist] training finished on all ranks") == 1
+
+
+def _spec(directory: Path, **fields: object) -> Path:
+    directory.mkdir()
+    spec = JobSpec(
+        kind="callable", entry="payload.pkl", num_processes=2, run_id="r", token="t" * 32, **fields
+    )
+    return spec.write(directory)
+
+
+def test_only_a_local_mode_run_counts_as_run_here(tmp_path) -> None:
+    assert ran_here(_spec(tmp_path / "l", local_mode=True)) is True
+    assert ran_here(_spec(tmp_path / "d", local_mode=False)) is False
+    assert ran_here(tmp_path / "missing.json") is False  # a run that failed on its spec: the usual exit
+
+
+def test_exit_without_teardown_flushes_what_was_written_and_skips_atexit(tmp_path) -> None:
+    """Buffered stdout and a logging handler's buffered lines are out before the process ends with
+    its code; what would run at interpreter teardown (atexit) does not."""
+    log_file = tmp_path / "driver.log"
+    program = textwrap.dedent(
+        f"""
+        import atexit, logging, sys
+        from airflow_provider_torchdist.spark.driver.finish import exit_without_teardown
+        handler = logging.StreamHandler(open({str(log_file)!r}, "w", buffering=64 * 1024))
+        logging.getLogger("t").addHandler(handler)
+        logging.getLogger("t").warning("a rank's last line")
+        atexit.register(lambda: print("teardown ran"))
+        sys.stdout = open(sys.stdout.fileno(), "w", buffering=64 * 1024, closefd=False)
+        print("training finished")
+        exit_without_teardown(7)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 7, done.stderr
+    assert done.stdout == "training finished\n"
+    assert log_file.read_text() == "a rank's last line\n"
