@@ -170,7 +170,8 @@ class TrainingSpec:
     fast_jvm_start: bool = setting(
         True,
         "start the driver faster: a per-user class-data archive of Spark's classes and the C1 "
-        "compiler only. ``False``: Spark's own defaults.",
+        "compiler only; on a local master, the executors' Python daemon imports the installed "
+        "pyspark instead of compiling pyspark.zip. ``False``: Spark's own defaults.",
         scope=SUBMIT,
         check="bool",
     )

@@ -157,13 +157,15 @@ SUPERVISED_PHASES = [
     ),
     (
         "supervisor_listen",
-        "supervisor: interpreter, package imports, lock, lifeline listening; the task connects",
+        "supervisor: forked from the task (a new interpreter: its start and package imports), lock, "
+        "lifeline listening; the task connects",
         "supervisor_start",
         "supervisor_listening",
     ),
     (
         "supervisor_submit",
-        "supervisor: import the Spark provider (Airflow), SparkSubmitHook with its connection",
+        "supervisor: SparkSubmitHook with its connection (a new interpreter imports the Spark provider "
+        "and Airflow first)",
         "supervisor_listening",
         "spark_submit_start",
     ),
@@ -192,6 +194,12 @@ def _variants() -> dict[str, dict[str, Any]]:
         "distributed": {"mode": "--distributed"},
         "local": {"mode": "--local"},
         "supervised": {"mode": "--distributed", "supervised": True},
+        # The supervisor as a new interpreter, as before it was forked from the task.
+        "supervised+exec": {
+            "mode": "--distributed",
+            "supervised": True,
+            "process_env": {"AIRFLOW__TORCHDIST__SUPERVISOR_START": "exec"},
+        },
         "distributed+fast_jvm_start=False": {"mode": "--distributed", "hook": {"fast_jvm_start": False}},
         "local+fast_jvm_start=False": {"mode": "--local", "hook": {"fast_jvm_start": False}},
         "distributed+ui_off": {"mode": "--distributed", "conf": {"spark.ui.enabled": "false"}},
@@ -224,7 +232,8 @@ def traced_run(variant: dict[str, Any], workdir: Path, env: dict[str, str]) -> d
         cmd.append("--no-fast-jvm-start")
     load = os.getloadavg()[0]
     spawn = time.time()
-    proc = subprocess.run(cmd, env={**env, "BENCH_T_SPAWN": repr(spawn)}, capture_output=True, text=True)
+    run_env = {**env, **variant.get("process_env", {}), "BENCH_T_SPAWN": repr(spawn)}
+    proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True)
     wall = time.time() - spawn
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:

@@ -108,6 +108,7 @@ def _launch(sec: dict[str, Any]) -> list[str]:
         target = "–" if r["target"] is None else f"<= {r['target']}"
         rows.append([f"{r['numerator']} / {r['denominator']}", _s(r["ratio"]), target, _verdict(r["met"])])
     lines += _table(["ratio", "value", "target", ""], rows)
+    lines += _inner(sec)
     if "hook_connect" in sec["stats"]:
         st = sec["stats"]["hook_connect"]
         lines += [
@@ -124,6 +125,29 @@ def _launch(sec: dict[str, Any]) -> list[str]:
             "workers' start, 1.49 x raw torchrun in the same kind of run.",
         ]
     return lines + [""]
+
+
+def _inner(sec: dict[str, Any]) -> list[str]:
+    """The time inside the call, over raw torchrun's whole process."""
+    if not sec.get("inner_ratios"):
+        return []
+    rows = []
+    for r in sec["inner_ratios"]:
+        target = "–" if r["target"] is None else f"<= {r['target']}"
+        inner = sec["stats"][r["variant"]]["median_inner_run_s"]
+        rows.append([r["variant"], _s(inner), _s(r["ratio"]), target, _verdict(r["met"])])
+    return [
+        "",
+        "What a task waits for. The rows above time a fresh process each, from fork to exit, so this "
+        "project's rows include importing Airflow and the hook (about 1.3 s) and the interpreter's "
+        "teardown of Airflow's modules at exit (about 0.5 s). An Airflow task pays neither inside the "
+        "operator: Airflow forks its task processes from a process that has Airflow imported, and they end "
+        "with `os._exit`. A `BashOperator` running raw torchrun waits for torchrun's whole process. So here "
+        "is the time inside the call (`hook.run`, or `start_run` + `follow`; the same samples), over raw "
+        "torchrun's median:",
+        "",
+        *_table(["variant", "inside the call, median s", "x raw torchrun", "target", ""], rows),
+    ]
 
 
 def _profile(sec: dict[str, Any]) -> list[str]:
@@ -166,7 +190,12 @@ def _profile(sec: dict[str, Any]) -> list[str]:
             what = (
                 ", ".join(
                     f"`{k}={val}`"
-                    for k, val in {**v.get("conf", {}), **v.get("env", {}), **v.get("hook", {})}.items()
+                    for k, val in {
+                        **v.get("conf", {}),
+                        **v.get("env", {}),
+                        **v.get("process_env", {}),
+                        **v.get("hook", {}),
+                    }.items()
                 )
                 or "defaults"
             )
@@ -200,23 +229,33 @@ def _profile(sec: dict[str, Any]) -> list[str]:
 
 
 def _supervisor_cost(meds: dict[str, Any]) -> list[str]:
-    """What the operator's path pays beyond ``hook.run``, and what was tried against it."""
+    """What the operator's path pays beyond ``hook.run``: the supervisor forked from the task, and
+    (variant ``supervised+exec``, same rounds) as a new interpreter."""
     sup, dist = meds["supervised"], meds.get("distributed", {})
-    extra = [sup.get("supervisor_listen"), sup.get("supervisor_submit")]
-    if None in extra:
+    before = _before_submit(sup)
+    if before is None:
         return []
     gap = f"; {_s(sup['total'] - dist['total'])} s in all over `hook.run`" if "total" in dist else ""
-    return [
-        f"The supervisor costs {_s(sum(extra))} s before spark-submit starts{gap}. Most of it is Airflow's own "
-        "import chain, which `SparkSubmitHook` needs: `airflow.configuration` as `airflow` is imported, then "
-        "`airflow.sdk.execution_time.task_runner` when the hook resolves its connection (the Task SDK's "
-        "`Connection.get`). Skipping Airflow's settings initialisation (`_AIRFLOW__AS_LIBRARY`) only moves "
-        "that cost: the import gets 0.6 s shorter and the connection's resolution 0.6 s longer, the same "
-        "1.4-1.7 s in all (measured 2026-11-27, a loaded machine). Nothing of this provider's is in that "
-        "chain; what would take it off the path is a supervisor that is already running (a warm per-worker "
-        "process that forks one per run), not yet built.",
-        "",
+    lines = [
+        f"The supervisor, forked from the task's process, costs {_s(before)} s before spark-submit starts{gap}."
     ]
+    old = meds.get("supervised+exec", {})
+    if (old_before := _before_submit(old)) is not None and "total" in old:
+        lines.append(
+            f"Started as a new interpreter instead (`[torchdist] supervisor_start = exec`, variant "
+            f"`supervised+exec` in the same rounds) it costs {_s(old_before)} s there, and the run "
+            f"{_s(old['total'] - sup['total'])} s more in all: that interpreter imports Airflow's chain again, which "
+            "`SparkSubmitHook` needs (`airflow.configuration` as `airflow` is imported, then "
+            "`airflow.sdk.execution_time.task_runner` when the hook resolves its connection). Skipping Airflow's "
+            "settings initialisation (`_AIRFLOW__AS_LIBRARY`) only moved that cost (measured 2026-11-27); the fork "
+            "has it all imported already."
+        )
+    return [" ".join(lines), ""]
+
+
+def _before_submit(phases: dict[str, Any]) -> float | None:
+    parts = [phases.get("supervisor_listen"), phases.get("supervisor_submit")]
+    return None if None in parts else sum(parts)
 
 
 def _fast_start(sec: dict[str, Any]) -> list[str]:
@@ -288,8 +327,23 @@ LAUNCH_SETTINGS = [
     "- **Shutdown.** The run channel polls for shutdown every 20 ms instead of 0.5 s; `sc.stop()` no longer "
     "waits for the 0.5 s poll of PySpark's accumulator server (one of the two named PySpark seams, "
     "`spark/driver.py::release_accumulator_server`, checked against PySpark's source by "
-    "`tests/unit/spark/driver/test_scheduler_identity.py`). The driver ends with a normal `sys.exit`: the earlier `os._exit` and "
-    "`SPARK_HOME` tricks saved less than 0.5 s when measured again and were removed.",
+    "`tests/unit/spark/driver/test_scheduler_identity.py`). A distributed run's driver ends with a normal "
+    "`sys.exit`; a local run's driver, which has torch loaded (torchrun's agent ran in it), flushes its logs and "
+    "streams and ends with `os._exit`: the interpreter's teardown with torch loaded takes 0.4 s, 0.02 s this way "
+    "(`spark/driver/finish.py::exit_without_teardown`). The `SPARK_HOME` trick saved nothing when measured again "
+    "and was removed.",
+    "- **pyspark from its installed package.** spark-submit puts `$SPARK_HOME/python/lib/pyspark.zip` first on "
+    "the Python driver's path, and an executor on its Python daemon's; Python caches no bytecode for a zip of "
+    "sources, so each of them compiled pyspark again: 0.55-0.6 s to import it instead of 0.1 s (the daemon: 0.65 s "
+    "instead of 0.15 s), both on the path of every distributed run. When that zip is the installed pyspark "
+    "package's own (`<site-packages>/pyspark/python/lib/pyspark.zip`: one wheel, one release) and this "
+    "interpreter has that `site-packages` on its path, the driver script takes the zip's entry off `sys.path` "
+    "before pyspark is imported (`spark/node/pyspark_path.py`). On a local master, whose executors run the "
+    "hook's own interpreter, `spark.python.daemon.module` names `airflow_provider_torchdist.spark.node.daemon`, "
+    "which does the same, then runs `pyspark.daemon` as Spark would. A Spark distribution's `SPARK_HOME`, "
+    "another Python for the executors (`spark.pyspark.python`, `PYSPARK_PYTHON`), a user's own daemon module or "
+    "`spark.python.use.daemon=false`, `fast_jvm_start=False`, and cluster masters (whose executors may lack "
+    "this package) are left as Spark starts them.",
     "- **Kept:** torchrun's elastic agent in-process (restarts, error files, its worker environment), the "
     "Spark UI (the operator links to it; the `ui_off` profile variant shows what turning it off would save).",
     "",

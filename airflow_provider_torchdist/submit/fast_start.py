@@ -1,19 +1,26 @@
-"""The start-up acceleration, behind one seam switched by ``fast_jvm_start``.
+"""The start-up accelerations, behind one seam switched by ``fast_jvm_start``.
 
 **The driver JVM's class-data archive and C1-only JIT** (:mod:`~airflow_provider_torchdist.submit.jvm`):
 Spark's classes come memory-mapped and verified from a per-user archive the first run writes. It
 saves about 2 s of each launch (``bench/launch.py --fast-start``; docs/benchmarks.md).
 
-Two earlier accelerations were measured again and removed, each saving less than the 0.5 s that
-justifies a trick on the main path (``bench/launch.py --fast-start``, 5 rounds, paired medians):
-``SPARK_HOME`` for pip's ``spark-submit`` (-0.07 s, i.e. nothing) and the driver's ``os._exit``
-without interpreter teardown (-0.35 s, within the spread).
+**pyspark from its installed package in the executors' Python daemon** (a local master whose
+executors run this interpreter: ``spark.python.daemon.module``,
+:mod:`~airflow_provider_torchdist.spark.node.daemon`): Spark puts ``pyspark.zip`` first on the
+daemon's path, and it compiles pyspark from sources on every start, 0.5 s before the first barrier
+task. A user's own ``spark.python.daemon.module`` or ``spark.python.use.daemon=false`` wins.
+
+An earlier acceleration was measured again and removed (``bench/launch.py --fast-start``, 5 rounds,
+paired medians): ``SPARK_HOME`` for pip's ``spark-submit`` (-0.07 s, i.e. nothing). The driver's end
+without interpreter teardown, removed with it then, is back for local mode only, where torch is
+loaded in the driver and its teardown takes 0.4 s
+(:func:`~airflow_provider_torchdist.spark.driver.finish.exit_without_teardown`).
 
 ``fast_jvm_start=False`` turns it off: Spark's own defaults. Nothing changes on YARN or Kubernetes,
 where ``spark-submit``'s environment is not the driver's.
 
-A benchmarking knob, not a setting: the environment variable ``TORCHDIST_FAST_START_OFF=jvm`` (or
-``all``) switches it off in a run with ``fast_jvm_start`` on, so that ``bench/launch.py`` can measure
+A benchmarking knob, not a setting: the environment variable ``TORCHDIST_FAST_START_OFF=jvm`` or
+``pyspark`` (or ``all``) switches one off in a run with ``fast_jvm_start`` on, so that ``bench/launch.py`` can measure
 what it saves (:func:`~airflow_provider_torchdist.spark.wire.events.fast_start_off`).
 """
 
@@ -22,10 +29,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import sysconfig
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from airflow_provider_torchdist.spark.node.daemon import DAEMON_MODULE
 from airflow_provider_torchdist.spark.wire.events import fast_start_off
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.submit.connection import SparkTarget
@@ -64,10 +73,12 @@ def installed_spark_home(spark_binary: str, environ: Mapping[str, str]) -> str |
 
 @dataclass
 class FastStart:
-    """What a run's launch gets from the accelerations: environment, and a first run's archive."""
+    """What a run's launch gets from the accelerations: environment, Spark settings, and a first
+    run's archive."""
 
     env: dict[str, str]
     jvm: DriverJvmStart | None = None
+    conf: dict[str, str] = field(default_factory=dict)
 
     def finish(self) -> None:
         """After spark-submit ended: install a first run's class-data archive into the cache."""
@@ -81,10 +92,33 @@ def plan_fast_start(
     """The accelerations for one run, given spark-submit's environment and Spark settings."""
     if not spec.fast_jvm_start or target.is_yarn or target.is_kubernetes or target.is_connect:
         return FastStart({})
-    env: dict[str, str] = {}
     full = dict(environ)
-    if "jvm" in fast_start_off(full):  # the benchmarking knob (module docstring)
-        return FastStart(env)
+    off = fast_start_off(full)  # the benchmarking knob (module docstring)
+    conf = {} if "pyspark" in off else installed_pyspark_daemon(target, full, properties)
+    if "jvm" in off:
+        return FastStart({}, conf=conf)
+    return FastStart(*_driver_jvm(spec, target, full, properties), conf=conf)
+
+
+def installed_pyspark_daemon(
+    target: SparkTarget, environ: Mapping[str, str], properties: Mapping[str, str]
+) -> dict[str, str]:
+    """``spark.python.daemon.module`` for executors that run this interpreter (a local master, no
+    other Python named) and a daemon the user has not set up; otherwise nothing."""
+    if not target.is_local or "spark.pyspark.python" in properties:
+        return {}
+    if environ.get("PYSPARK_PYTHON", sys.executable) != sys.executable:
+        return {}
+    if "spark.python.daemon.module" in properties or properties.get("spark.python.use.daemon") == "false":
+        return {}
+    return {"spark.python.daemon.module": DAEMON_MODULE}
+
+
+def _driver_jvm(
+    spec: TrainingSpec, target: SparkTarget, full: dict[str, str], properties: Mapping[str, str]
+) -> tuple[dict[str, str], DriverJvmStart]:
+    """spark-submit's environment for the driver JVM's fast start, and its archive."""
+    env: dict[str, str] = {}
     user_options = " ".join(
         filter(
             None,
@@ -114,4 +148,4 @@ def plan_fast_start(
         c1_only=not (target.is_local and spec.train_data is not None),
     )
     env["SPARK_SUBMIT_OPTS"] = jvm.spark_submit_opts(full.get("SPARK_SUBMIT_OPTS"))
-    return FastStart(env, jvm)
+    return env, jvm

@@ -103,7 +103,7 @@ def plan_staged(
         application_args=[str(staged.spec_path)],
         files=staged.files,
         py_files=[staged.py_files, *user_py_files],
-        properties=props,
+        properties={**props, **fast.conf},
         properties_dir=staged.dir,
         env={**env, **fast.env},
     )

@@ -38,7 +38,11 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 SPARK_ZIP = "torchdist_spark.zip"
 DRIVER_SCRIPT = "torchdist_driver.py"
 _DRIVER_SOURCE = (
-    "import sys\nfrom airflow_provider_torchdist.spark.app import run_and_exit\nrun_and_exit(sys.argv)\n"
+    "import sys\n"
+    "from airflow_provider_torchdist.spark.node.pyspark_path import prefer_installed_pyspark\n"
+    "prefer_installed_pyspark()\n"
+    "from airflow_provider_torchdist.spark.app import run_and_exit\n"
+    "run_and_exit(sys.argv)\n"
 )
 #: The names this provider writes into a staging directory (and ships to the executors' working
 #: directories): a script of one of these names would overwrite them, or they it.

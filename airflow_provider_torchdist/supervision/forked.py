@@ -14,6 +14,7 @@ The child takes nothing of the task's but its memory:
   supervisor sees the task's sockets close when the task ends, and nothing of the task's is read
   or written from here. The objects that held them stay referenced, so none closes a number this
   process has reused;
+- standard streams of its own (the task's may have been locked by another thread at the fork);
 - Python's signal handlers are back to their defaults, and no signal is blocked;
 - Airflow's logging is written as text into its log;
 - ``ps`` shows it as ``torchdist supervisor <staging>`` (its environment stays readable where the
@@ -30,6 +31,7 @@ interpreter, as it does with ``[torchdist] supervisor_start = exec``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import os
 import signal
@@ -106,18 +108,23 @@ def _child(main: Callable[[], int], log_fd: int, title: str) -> NoReturn:  # pra
         os.setsid()
         gc.freeze()
         _take_descriptors(log_fd)
+        _new_streams()
         _reset_signals()
         _set_title(title)
         _log_as_text()
         code = main()
     except BaseException:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(BaseException):
             traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+        try:
+            # Nothing may interrupt the way out: an exception here would unwind into the task's code.
+            signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(BaseException):
+                    stream.flush()
+        finally:
+            os._exit(code)
 
 
 def _take_descriptors(log_fd: int) -> None:
@@ -126,25 +133,53 @@ def _take_descriptors(log_fd: int) -> None:
     The descriptors stay open (``dup2`` over them), so the objects of the task's that hold them
     (sockets to Airflow's supervisor, its log channel, files) are left as they are; only what they
     reach changes."""
-    devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    # Above 2, whatever the task had closed: the standard descriptors are set from these.
+    devnull = _above_2(os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC))
+    log_fd = _above_2(log_fd)
     outputs = {1, 2}
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         with contextlib.suppress(Exception):
             outputs.add(stream.fileno())  # type: ignore[union-attr]
     os.dup2(devnull, 0)
     for fd in sorted(int(name) for name in os.listdir(_FD_DIR)):
-        if fd in (0, devnull, log_fd):
+        if fd in (0, devnull, log_fd) or not _is_open(fd):  # (the listing's own, closed since)
             continue
-        with contextlib.suppress(OSError):  # the listing's own descriptor, closed since
-            os.dup2(log_fd if fd in outputs else devnull, fd, inheritable=fd <= 2)
+        os.dup2(log_fd if fd in outputs else devnull, fd, inheritable=fd <= 2)
     for fd in (1, 2):  # even where the task had closed them
         os.dup2(log_fd, fd)
     os.close(devnull)
     os.close(log_fd)
 
 
+def _above_2(fd: int) -> int:
+    """``fd`` moved to a number above 2 (close-on-exec), if it is not there already."""
+    if fd > 2:
+        return fd
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    os.close(fd)
+    return moved
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _new_streams() -> None:
+    """Standard streams of its own on descriptors 1 and 2: the task's objects may have been locked
+    by another of its threads at the fork (a write in progress), and would stay locked here. They
+    stay referenced, so that none closes its descriptor."""
+    _INHERITED.extend([sys.stdout, sys.stderr])
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (for the process's life)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+
+
 def _reset_signals() -> None:
-    """No Python handler of the task's stays (Airflow's, a test runner's): defaults, nothing blocked."""
+    """No Python handler of the task's stays (Airflow's, a test runner's): each is back to the
+    default (an ignored signal stays ignored, as Python ignores SIGPIPE), and nothing is blocked."""
     for sig in signal.valid_signals():
         with contextlib.suppress(OSError, ValueError):
             if callable(signal.getsignal(sig)):

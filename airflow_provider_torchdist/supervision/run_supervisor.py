@@ -38,7 +38,7 @@ from airflow_provider_torchdist.supervision.submission import (
     run_verdict,
     submission_of,
 )
-from airflow_provider_torchdist.supervision.sweep import ADDRESS_FILE, process_started
+from airflow_provider_torchdist.supervision.sweep import ADDRESS_FILE, process_start_ticks
 
 #: How often a stopping supervisor looks whether the ranks declined the grace period.
 STOP_POLL_S = 0.1
@@ -102,7 +102,9 @@ class RunSupervisor(OwnerRules):
             host = socket.getfqdn()
         write_private_text(
             self.staging_dir / ADDRESS_FILE,
-            json.dumps({"host": host, "port": port, "pid": os.getpid(), "started": process_started()}),
+            json.dumps(
+                {"host": host, "port": port, "pid": os.getpid(), "start_ticks": process_start_ticks()}
+            ),
         )
         with self._cond:
             self._wait_for_owner(self._first_owner_wait())

@@ -6,7 +6,7 @@ does neither. Each supervisor therefore sweeps at start, removing only what prov
 dead process of this user:
 
 - ``torchdist-<random>`` staging directories of supervised runs: those whose supervisor (the
-  ``pid`` of ``supervisor.addr``, the same process if it started at ``started``) is dead, and those without ``supervisor.addr`` whose
+  ``pid`` of ``supervisor.addr``, the same process if it started at ``start_ticks``) is dead, and those without ``supervisor.addr`` whose
   ``supervisor.json`` is older than ``STALE_AFTER_S`` (the supervisor died before it listened; the
   task waits for that one minute at most). A staging directory without ``supervisor.json`` is an
   in-process run's (``hook.run()``), which may train for hours with nothing to tell it is alive:
@@ -31,23 +31,19 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-import psutil
-
 from airflow_provider_torchdist.supervision.processes import command_line, is_alive
 
 #: In a supervised run's staging directory: the supervisor's settings, written by the task before
 #: the supervisor starts (so a staging directory that has it is a supervised run's).
 SUPERVISOR_FILE = "supervisor.json"
-#: ... and ``{"host", "port", "pid", "started"}``, written by the supervisor once its lifeline listens
-#: (``started``: its process's start time, :func:`process_started`; a live ``pid`` that started at
-#: another time is a recycled PID).
+#: ... and ``{"host", "port", "pid", "start_ticks"}``, written by the supervisor once its lifeline
+#: listens (``start_ticks``: when its process started, :func:`process_start_ticks`; a live ``pid``
+#: that started at another time is a recycled PID).
 ADDRESS_FILE = "supervisor.addr"
 #: The supervisor's module (a supervisor started as a new interpreter runs it), and the title of a
-#: forked one: an address without ``started`` whose live ``pid`` names neither is a recycled PID.
+#: forked one: an address without ``start_ticks`` whose live ``pid`` names neither is a recycled PID.
 SUPERVISOR_MODULE = "airflow_provider_torchdist.supervision.supervisor"
 SUPERVISOR_TITLE = "torchdist supervisor"
-#: How far apart two readings of one process's start time may be (the clock ticks it is kept in).
-_SAME_START_S = 0.5
 #: Where the supervisor's module was in earlier releases: a run started by one, still live
 #: after an upgrade, is still recognised (its directory is not stale).
 EARLIER_SUPERVISOR_MODULES = ("airflow_provider_torchdist.supervisor ",)
@@ -116,34 +112,40 @@ def is_stale(path: Path, now: float | None = None) -> bool:
     return stat.S_ISREG(config.st_mode) and now - config.st_mtime > STALE_AFTER_S
 
 
-def _supervisor_address(address: Path) -> tuple[int, float | None] | None:
-    """The ``pid`` and ``started`` of a supervisor's address file (None: none, or unreadable)."""
+def _supervisor_address(address: Path) -> tuple[int, int | None] | None:
+    """The ``pid`` and ``start_ticks`` of a supervisor's address file (None: none, or unreadable)."""
     try:
         fd = os.open(address, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd) as f:
             data = json.load(f)
-        pid, started = data.get("pid"), data.get("started")
+        pid, ticks = data.get("pid"), data.get("start_ticks")
     except (OSError, ValueError, AttributeError):
         return None
     if type(pid) is not int or pid <= 0:
         return None
-    return pid, started if type(started) is float else None
+    return pid, ticks if type(ticks) is int else None
 
 
-def process_started(pid: int | None = None) -> float | None:
-    """When process ``pid`` (default: this one) started, as ``psutil`` tells it; None if gone."""
+def process_start_ticks(pid: int | str = "self") -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``, field 22):
+    fixed for the process's life, whatever the wall clock does (psutil's ``create_time`` adds the
+    boot time, which moves when the clock is stepped). None where there is no ``/proc``, or the
+    process is gone."""
     try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+        # The command name (field 2) may hold spaces and parentheses: the fields after it follow
+        # its last ')'; the start time is the 20th of them.
+        return int(stat_line[stat_line.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
         return None
 
 
-def _supervisor_alive(pid: int, started: float | None) -> bool:
+def _supervisor_alive(pid: int, start_ticks: int | None) -> bool:
     if not is_alive(pid):
         return False
-    if started is not None:  # the same process, whatever its command line shows
-        now_started = process_started(pid)
-        return now_started is None or abs(now_started - started) < _SAME_START_S
+    if start_ticks is not None and (now := process_start_ticks(pid)) is not None:
+        return now == start_ticks  # the same process, whatever its command line shows
     cmd = command_line(pid)
     # An unreadable command line is taken for the supervisor: never remove a live run's directory.
     markers = (SUPERVISOR_MODULE, SUPERVISOR_TITLE, *EARLIER_SUPERVISOR_MODULES)

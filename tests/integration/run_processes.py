@@ -61,7 +61,10 @@ def of_this_worker(proc: psutil.Process) -> bool:
     its staging directory, under the deployment's home).
     """
     try:
-        environ = proc.environ()
+        try:
+            environ = proc.environ()
+        except psutil.AccessDenied:  # a non-dumpable process (Airflow's, and one forked from it)
+            environ = {}
         if environ:
             return environ.get(OWNER_VARIABLE) == os.environ[OWNER_VARIABLE]
         cmd = " ".join(proc.cmdline())

@@ -3,13 +3,20 @@ and the hook's launch environment (SPARK_HOME, SPARK_SUBMIT_OPTS). No JVM is sta
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
-from airflow_provider_torchdist.submit.fast_start import installed_spark_home, plan_fast_start
+from airflow_provider_torchdist.spark.node.daemon import DAEMON_MODULE
+from airflow_provider_torchdist.submit.fast_start import (
+    installed_pyspark_daemon,
+    installed_spark_home,
+    plan_fast_start,
+)
 from airflow_provider_torchdist.submit.jvm import (
     C1_ONLY,
     DUMP_DONE,
@@ -281,3 +288,48 @@ def test_a_local_master_reading_train_data_keeps_the_optimizing_compiler(clean_e
 def test_the_jvm_plan_leaves_c1_only_out_when_asked():
     assert C1_ONLY in plan_driver_jvm_start(None, KEY, c1_only=True).options
     assert plan_driver_jvm_start(None, KEY, c1_only=False).options == []
+
+
+# -- the executors' Python daemon (fast_start.installed_pyspark_daemon) --------------------------------
+
+
+def _daemon_conf(hook: TorchDistributorHook, **environ: str) -> dict[str, str]:
+    props = planned_properties(hook)
+    full = {**os.environ, **submit_environment(hook.spec, hook.target, props), **environ}
+    return plan_fast_start(hook.spec, hook.target, full, props).conf
+
+
+def test_a_local_masters_executors_start_the_daemon_with_the_installed_pyspark(
+    clean_env, fake_spark, tmp_path
+):
+    hook = _hook(tmp_path, num_processes=2)
+    assert hook.target.is_local
+    assert _daemon_conf(hook) == {"spark.python.daemon.module": DAEMON_MODULE}
+    _run(hook)  # it reaches spark-submit's properties
+    assert fake_spark.properties["spark.python.daemon.module"] == DAEMON_MODULE
+    # The module exists and runs pyspark's daemon (the integration tests start it for real).
+    assert importlib.util.find_spec(DAEMON_MODULE) is not None
+
+
+@pytest.mark.parametrize(
+    "settings, environ",
+    [
+        ({"conf": {"spark.python.daemon.module": "my.daemon"}}, {}),  # the user's own daemon
+        ({"conf": {"spark.python.use.daemon": "false"}}, {}),  # no daemon at all
+        ({"conf": {"spark.pyspark.python": "/opt/py/bin/python"}}, {}),  # executors run another Python
+        ({}, {"PYSPARK_PYTHON": "/opt/py/bin/python"}),
+        ({"fast_jvm_start": False}, {}),  # every acceleration off
+        ({}, {"TORCHDIST_FAST_START_OFF": "pyspark"}),  # the benchmarking knob
+    ],
+)
+def test_the_daemon_is_left_as_spark_starts_it(clean_env, tmp_path, settings, environ):
+    hook = _hook(tmp_path, num_processes=2, **settings)
+    assert _daemon_conf(hook, **environ) == {}
+
+
+def test_a_cluster_masters_daemon_is_left_as_spark_starts_it(clean_env, tmp_path):
+    """Its executors may run another machine's Python, which need not have this package."""
+    hook = _hook(tmp_path, num_processes=2)
+    target = dataclasses.replace(hook.target, master="spark://spark-master:7077")
+    assert not target.is_local
+    assert installed_pyspark_daemon(target, dict(os.environ), {}) == {}

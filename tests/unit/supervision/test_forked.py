@@ -115,9 +115,9 @@ def test_the_child_has_default_signal_handlers_nothing_blocked_and_its_title(tmp
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR2])
     try:
         assert _wait_for(seen) == {"sigterm_default": True, "sigusr1_default": True, "blocked": []}
-        title = " ".join(psutil.Process(child.pid).cmdline())
-        assert title.startswith(f"torchdist supervisor {tmp_path / 'staging'}"[: len(title.strip())]), title
-        assert "torchdist supervisor" in title, title
+        title = " ".join(psutil.Process(child.pid).cmdline()).strip()
+        assert title == f"torchdist supervisor {tmp_path / 'staging'}"[: len(title)], title
+        assert title.startswith("torchdist supervisor "), title
         # Its environment is as readable as ours: its title does not take the environment's room
         # (this process's is gone only if something here set a title before: Airflow's task runner).
         ours = psutil.Process().environ()

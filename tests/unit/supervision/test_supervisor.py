@@ -47,6 +47,7 @@ from airflow_provider_torchdist.supervision.supervisor import (
     SupervisorStartError,
     read_private,
 )
+from airflow_provider_torchdist.supervision.sweep import process_start_ticks
 from tests.unit.conftest import publish_value, wait_until
 
 SECRET = b"k" * 32
@@ -171,12 +172,11 @@ def stays_up(h: Harness, seconds: float) -> bool:
 def test_the_address_is_published_privately(harness):
     h = harness(durable=True, reattach=5)
     path = h.staging / ADDRESS_FILE
-    started = psutil.Process().create_time()
     assert json.loads(path.read_text()) == {
         "host": "127.0.0.1",
         "port": h.port,
         "pid": os.getpid(),
-        "started": started,
+        "start_ticks": process_start_ticks(os.getpid()),
     }
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert query_status(h.host, h.port, RUN, SECRET).state == "running"

@@ -17,6 +17,7 @@ from airflow_provider_torchdist.supervision.sweep import (
     STALE_AFTER_S,
     SUPERVISOR_FILE,
     is_stale,
+    process_start_ticks,
     sweep_stale,
 )
 
@@ -35,15 +36,15 @@ def staging(
     *,
     addr_pid: int | None = None,
     config_age: float | None = None,
-    started: float | None = None,
+    start_ticks: int | None = None,
 ) -> Path:
     path = base / name
     path.mkdir()
     (path / "spec.json").write_text("{}")
     if addr_pid is not None:
         address = {"host": "127.0.0.1", "port": 1, "pid": addr_pid}
-        if started is not None:
-            address["started"] = started
+        if start_ticks is not None:
+            address["start_ticks"] = start_ticks
         (path / ADDRESS_FILE).write_text(json.dumps(address))
     if config_age is not None:
         config = path / SUPERVISOR_FILE
@@ -77,12 +78,31 @@ def test_a_dead_supervisors_staging_dir_goes_and_a_live_ones_stays(tmp_path, dea
 def test_a_supervisor_is_known_by_its_start_time_whatever_its_command_line(tmp_path, dead_pid):
     """A forked supervisor's command line is its title, or the task's where a title does not fit:
     the start time in its address tells it from a recycled PID instead."""
-    me = psutil.Process().create_time()  # this process's command line names no supervisor
-    live = staging(tmp_path, "torchdist-live", addr_pid=os.getpid(), config_age=1, started=me)
-    recycled = staging(tmp_path, "torchdist-recycled", addr_pid=os.getpid(), config_age=1, started=me - 5.0)
-    dead = staging(tmp_path, "torchdist-dead", addr_pid=dead_pid, config_age=1, started=me)
+    me = process_start_ticks(os.getpid())  # this process's command line names no supervisor
+    assert me is not None and me > 0
+    live = staging(tmp_path, "torchdist-live", addr_pid=os.getpid(), config_age=1, start_ticks=me)
+    recycled = staging(
+        tmp_path, "torchdist-recycled", addr_pid=os.getpid(), config_age=1, start_ticks=me - 500
+    )
+    dead = staging(tmp_path, "torchdist-dead", addr_pid=dead_pid, config_age=1, start_ticks=me)
     assert sorted(sweep_stale(tmp_path)) == sorted([recycled, dead])
     assert live.is_dir()
+
+
+def test_start_ticks_are_read_past_a_command_name_with_spaces_and_parentheses(tmp_path):
+    """The kernel's command name is field 2, in parentheses, and may hold both."""
+    name = tmp_path / "a) b (c"
+    name.write_text("import sys, time; print('up', flush=True); time.sleep(30)")
+    proc = subprocess.Popen([sys.executable, str(name)], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+        ticks = process_start_ticks(proc.pid)
+        assert ticks is not None and ticks >= process_start_ticks(os.getpid())
+        assert psutil.Process(proc.pid).create_time() >= psutil.Process().create_time()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert process_start_ticks(proc.pid) is None  # gone
 
 
 def test_a_supervised_dir_without_an_address_goes_only_when_old(tmp_path):
