@@ -275,7 +275,10 @@ def timeline(run: dict[str, Any]) -> dict[str, float]:
     points.update({name: max(x["t"] for x in evs) - t0 for name, evs in events.items()})
     driver_pid = events["driver_start"][0]["pid"]
     task_pids = {e["pid"] for e in events.get("task_start", [])}
-    forked = {p["pid"] for p in procs if "pyspark.daemon" in p["cmd"]}  # daemon, workers, their ranks
+    # The daemon, its workers and their ranks: Spark's daemon, or the one a local master starts with
+    # the installed pyspark (spark/node/daemon.py).
+    daemons = ("pyspark.daemon", "airflow_provider_torchdist.spark.node.daemon")
+    forked = {p["pid"] for p in procs if any(d in p["cmd"] for d in daemons)}
     daemon_pids = {p["pid"] for p in procs if p["pid"] in forked and p["ppid"] not in forked}
     points.update(
         spawn=0.0,

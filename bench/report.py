@@ -940,6 +940,30 @@ def _summary_launch(sec: dict[str, Any]) -> list[list[str]]:
             if (r := targets.get((name, a))) and r["target"] is not None
         ]
         rows.append([what, f"{_s(median[name])} s", ", ".join(compared), "; ".join(verdicts) or "–"])
+    rows += _summary_inner(sec)
+    return rows
+
+
+def _summary_inner(sec: dict[str, Any]) -> list[list[str]]:
+    """The operator's path timed inside the call (what a task waits for), over raw torchrun."""
+    rows = []
+    labels = {
+        "hook_supervised": "the operator's path, distributed",
+        "hook_supervised_local": "the operator's path, local mode",
+    }
+    base = sec["stats"].get("torchrun", {}).get("median_s")
+    for r in sec.get("inner_ratios", []):
+        if r["variant"] not in labels or not base:
+            continue
+        inner = sec["stats"][r["variant"]]["median_inner_run_s"]
+        rows.append(
+            [
+                f"Launch, {labels[r['variant']]}, inside the call (Airflow already imported, as in a task)",
+                f"{_s(inner)} s",
+                f"{r['ratio']:.2f} x raw torchrun ({_s(base)} s)",
+                f"<= {r['target']} x raw torchrun: {_verdict(r['met'])}",
+            ]
+        )
     return rows
 
 
