@@ -32,12 +32,7 @@ from airflow_provider_torchdist.spark.driver.executor_loss import (
     lost_executor_message,
     wait_for_loss,
 )
-from airflow_provider_torchdist.spark.driver.finish import (
-    exit_without_teardown,
-    finish,
-    finished_code,
-    ran_here,
-)
+from airflow_provider_torchdist.spark.driver.finish import exit_without_teardown, finish, finished_code
 from airflow_provider_torchdist.spark.driver.owner import read_owner_token, write_channel_address
 from airflow_provider_torchdist.spark.driver.rank_logs import rank_filter
 from airflow_provider_torchdist.spark.driver.spark_context import (
@@ -259,11 +254,8 @@ def hosts_of(results: list[str]) -> list[str]:
     return [r["host"] for r in sorted((json.loads(x) for x in results), key=lambda r: r["node"])]
 
 
-def main(argv: list[str]) -> int:
-    """Run the job in ``argv[1]`` (the spec), write the outcome; return the exit code."""
-    spec_path = Path(argv[1])
-    staging = spec_path.parent
-    spec = JobSpec.read(spec_path)
+def main(spec: JobSpec, staging: Path) -> int:
+    """Run ``spec``'s job, write the outcome into ``staging``; return the exit code."""
     emit("driver_start")
     try:
         if spec.local_mode:
@@ -287,10 +279,12 @@ def run_and_exit(argv: list[str]) -> None:
     supervisor's death, or killed outright, must not leave local ranks training for nobody.
     """
     die_with_parent(signal.SIGTERM, parent_may_be_init=True)
-    code = main(argv)
+    spec_path = Path(argv[1])
+    spec = JobSpec.read(spec_path)
+    code = main(spec, spec_path.parent)
     emit("driver_exit", code=code)
-    if ran_here(Path(argv[1])):
-        exit_without_teardown(code)  # torch is loaded here: its teardown would cost 0.4 s
+    if spec.local_mode:  # torchrun's agent ran here, so torch is loaded: its teardown costs 0.4 s
+        exit_without_teardown(code)
     sys.stdout.flush()
     sys.exit(code)
 

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spark.wire.outcome import Outcome
 
 #: The exit code of each run whose outcome is out (:func:`finish` runs once per run).
@@ -47,15 +46,6 @@ def _write_and_say(outcome: Outcome, staging: Path) -> int:
 def finished_code(staging: Path) -> int | None:
     """The exit code of the run in ``staging`` once its outcome is out; None before."""
     return _FINISHED.get(staging)
-
-
-def ran_here(spec_path: Path) -> bool:
-    """Whether the run of the spec at ``spec_path`` was a local-mode one: its ranks ran under this
-    process's agent (False when the spec is unreadable: that run failed already)."""
-    try:
-        return JobSpec.read(spec_path).local_mode
-    except Exception:
-        return False
 
 
 def exit_without_teardown(code: int) -> NoReturn:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-from airflow_provider_torchdist.spark.driver.finish import finish, finished_code, ran_here
-from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
+from airflow_provider_torchdist.spark.driver.finish import finish, finished_code
 from airflow_provider_torchdist.spark.wire.outcome import Outcome
 
 
@@ -20,20 +18,6 @@ def test_an_outcome_is_written_and_said_once_and_its_code_kept(tmp_path, capsys)
     assert finished_code(tmp_path) == 0
     assert Outcome.read(tmp_path).ok
     assert capsys.readouterr().out.count("[torchdist] training finished on all ranks") == 1
-
-
-def _spec(directory: Path, **fields: object) -> Path:
-    directory.mkdir()
-    spec = JobSpec(
-        kind="callable", entry="payload.pkl", num_processes=2, run_id="r", token="t" * 32, **fields
-    )
-    return spec.write(directory)
-
-
-def test_only_a_local_mode_run_counts_as_run_here(tmp_path) -> None:
-    assert ran_here(_spec(tmp_path / "l", local_mode=True)) is True
-    assert ran_here(_spec(tmp_path / "d", local_mode=False)) is False
-    assert ran_here(tmp_path / "missing.json") is False  # a run that failed on its spec: the usual exit
 
 
 def test_exit_without_teardown_flushes_what_was_written_and_skips_atexit(tmp_path) -> None:
