@@ -105,7 +105,7 @@ def installed_pyspark_daemon(
 ) -> dict[str, str]:
     """``spark.python.daemon.module`` for executors that run this interpreter (a local master, no
     other Python named) and a daemon the user has not set up; otherwise nothing."""
-    if not target.is_local or "spark.pyspark.python" in properties:
+    if not target.is_local or {"spark.pyspark.python", "spark.executorEnv.PYSPARK_PYTHON"} & set(properties):
         return {}
     if environ.get("PYSPARK_PYTHON", sys.executable) != sys.executable:
         return {}

@@ -318,6 +318,7 @@ def test_a_local_masters_executors_start_the_daemon_with_the_installed_pyspark(
         ({"conf": {"spark.python.use.daemon": "false"}}, {}),  # no daemon at all
         ({"conf": {"spark.pyspark.python": "/opt/py/bin/python"}}, {}),  # executors run another Python
         ({}, {"PYSPARK_PYTHON": "/opt/py/bin/python"}),
+        ({"conf": {"spark.executorEnv.PYSPARK_PYTHON": "/opt/py/bin/python"}}, {}),
         ({"fast_jvm_start": False}, {}),  # every acceleration off
         ({}, {"TORCHDIST_FAST_START_OFF": "pyspark"}),  # the benchmarking knob
     ],
