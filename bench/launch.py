@@ -193,6 +193,7 @@ VARIANTS = [
 FAST_START_PARTS = {
     "jvm": "driver JVM class-data archive + C1-only JIT",
     "pyspark": "the executors' Python daemon imports the installed pyspark, not pyspark.zip (local master)",
+    "torch": "the executors' Python daemon loads torch before it forks the barrier tasks' workers (local master)",
 }
 #: A part that saves less than this is a candidate for removal (issue 12).
 FAST_START_KEEP_S = 0.5

@@ -240,6 +240,8 @@ ALLOWED_PRIVATE_ACCESS = {
     ("spark/driver/finish.py", "os._exit"),
     # A forked supervisor never returns into the task's code (as Airflow's forked task processes).
     ("supervision/forked.py", "os._exit"),
+    # The executors' Python daemon, torch loaded, ends without teardown (pyspark's workers do too).
+    ("spark/node/daemon.py", "os._exit"),
     # The one seam into another package: Spark's JVM through py4j (PySpark's StatusTracker stops at
     # job and stage counts). Every distributed integration run goes through it.
     ("spark/driver/jvm_status.py", "sc._jsc"),

@@ -102,7 +102,7 @@ def emit(phase: str, **fields: Any) -> None:
 #: A benchmarking knob, not a setting: ``TORCHDIST_FAST_START_OFF=jvm`` (or ``all``) switches the
 #: start-up acceleration off in a run that has ``fast_jvm_start`` on (see ``fast_start.py``).
 FAST_START_OFF_ENV = "TORCHDIST_FAST_START_OFF"
-FAST_START_PARTS = ("jvm", "pyspark")
+FAST_START_PARTS = ("jvm", "pyspark", "torch")
 
 
 def fast_start_off(environ: Mapping[str, str] | None = None) -> frozenset[str]:

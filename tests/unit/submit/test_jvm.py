@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
-from airflow_provider_torchdist.spark.node.daemon import DAEMON_MODULE
+from airflow_provider_torchdist.spark.node.daemon import DAEMON_MODULE, PRELOAD_ENV
 from airflow_provider_torchdist.submit.fast_start import (
     installed_pyspark_daemon,
     installed_spark_home,
@@ -303,10 +303,12 @@ def test_a_local_masters_executors_start_the_daemon_with_the_installed_pyspark(
     clean_env, fake_spark, tmp_path
 ):
     hook = _hook(tmp_path, num_processes=2)
-    assert hook.target.is_local
-    assert _daemon_conf(hook) == {"spark.python.daemon.module": DAEMON_MODULE}
+    assert hook.target.is_local and not hook.spec.local_mode
+    preload = f"spark.executorEnv.{PRELOAD_ENV}"
+    assert _daemon_conf(hook) == {"spark.python.daemon.module": DAEMON_MODULE, preload: "1"}
     _run(hook)  # it reaches spark-submit's properties
     assert fake_spark.properties["spark.python.daemon.module"] == DAEMON_MODULE
+    assert fake_spark.properties[preload] == "1"
     # The module exists and runs pyspark's daemon (the integration tests start it for real).
     assert importlib.util.find_spec(DAEMON_MODULE) is not None
 
@@ -326,6 +328,18 @@ def test_a_local_masters_executors_start_the_daemon_with_the_installed_pyspark(
 def test_the_daemon_is_left_as_spark_starts_it(clean_env, tmp_path, settings, environ):
     hook = _hook(tmp_path, num_processes=2, **settings)
     assert _daemon_conf(hook, **environ) == {}
+
+
+@pytest.mark.parametrize(
+    "settings, environ",
+    [
+        ({"local_mode": True}, {}),  # the ranks train on the driver: no barrier task needs torch
+        ({}, {"TORCHDIST_FAST_START_OFF": "torch"}),  # the benchmarking knob
+    ],
+)
+def test_the_daemon_loads_no_torch_where_no_barrier_task_trains(clean_env, tmp_path, settings, environ):
+    hook = _hook(tmp_path, num_processes=2, **settings)
+    assert _daemon_conf(hook, **environ) == {"spark.python.daemon.module": DAEMON_MODULE}
 
 
 def test_a_cluster_masters_daemon_is_left_as_spark_starts_it(clean_env, tmp_path):

@@ -107,4 +107,4 @@ def test_every_emitted_phase_is_registered_and_every_registered_phase_is_emitted
 def test_fast_start_off():
     assert fast_start_off({}) == frozenset()
     assert fast_start_off({FAST_START_OFF_ENV: " jvm ,"}) == {"jvm"}
-    assert fast_start_off({FAST_START_OFF_ENV: "all"}) == {"jvm", "pyspark"}
+    assert fast_start_off({FAST_START_OFF_ENV: "all"}) == {"jvm", "pyspark", "torch"}

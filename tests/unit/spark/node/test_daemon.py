@@ -1,0 +1,74 @@
+"""The executors' Python daemon (``spark/node/daemon.py``), started for real as Spark starts it:
+``python -m <module>``, its port on stdout, its end when stdin closes."""
+
+from __future__ import annotations
+
+import gc
+import os
+import struct
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from airflow_provider_torchdist.spark.node import daemon
+from airflow_provider_torchdist.spark.node.daemon import DAEMON_MODULE, PRELOAD_ENV
+
+
+def _start(module: str, **environ: str) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if k != PRELOAD_ENV}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**env, **environ}
+    )
+    assert proc.stdout is not None
+    (port,) = struct.unpack("!i", proc.stdout.read(4))  # what Spark reads: the daemon is serving
+    assert 0 < port < 65536
+    return proc
+
+
+def _torch_loaded(pid: int) -> bool:
+    return any("libtorch" in m.path for m in psutil.Process(pid).memory_maps())
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> tuple[int, float]:
+    """Close stdin, as Spark does to stop its daemon; the exit code and how long the exit took."""
+    assert proc.stdin is not None
+    start = time.monotonic()
+    proc.stdin.close()
+    code = proc.wait(timeout=30)
+    return code, time.monotonic() - start
+
+
+def test_with_the_preload_the_daemon_serves_with_torch_loaded_and_ends_as_pysparks_own():
+    ours = _start(DAEMON_MODULE, **{PRELOAD_ENV: "1"})
+    try:
+        assert _torch_loaded(ours.pid)  # each worker it forks starts with it
+    finally:
+        code, _ = _stop(ours)
+    theirs = _start("pyspark.daemon")
+    their_code, _ = _stop(theirs)
+    assert code == their_code  # the same exit code Spark gets from pyspark's own daemon
+
+
+def test_without_the_preload_the_daemon_loads_no_torch():
+    proc = _start(DAEMON_MODULE)
+    try:
+        assert not _torch_loaded(proc.pid)
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "yes"])
+def test_only_the_value_1_preloads(monkeypatch, value):
+    environ = {} if value is None else {PRELOAD_ENV: value}
+    monkeypatch.setattr(daemon, "PRELOADED_MODULE", "no_module_should_be_imported_here")
+    assert daemon.preload(environ) is False
+
+
+def test_a_launcher_that_cannot_be_imported_is_left_for_the_task_to_report(monkeypatch):
+    monkeypatch.setattr(daemon, "PRELOADED_MODULE", "airflow_provider_torchdist.no_such_module")
+    frozen = gc.get_freeze_count()
+    assert daemon.preload({PRELOAD_ENV: "1"}) is False
+    assert gc.get_freeze_count() == frozen  # nothing frozen either
