@@ -344,6 +344,14 @@ LAUNCH_SETTINGS = [
     "another Python for the executors (`spark.pyspark.python`, `PYSPARK_PYTHON`), a user's own daemon module or "
     "`spark.python.use.daemon=false`, `fast_jvm_start=False`, and cluster masters (whose executors may lack "
     "this package) are left as Spark starts them.",
+    "- **torch loaded before the barrier tasks start.** With that daemon, a distributed run also sets "
+    "`spark.executorEnv.TORCHDIST_DAEMON_PRELOAD=1`: the daemon imports the barrier task's launcher (torch and "
+    "torchrun's agent) before it serves, freezes its heap (`gc.freeze`) and ends without interpreter teardown. "
+    "Every worker it forks starts with torch loaded, so the barrier tasks no longer import it each on their own, "
+    "at the same time on the same cores (worker start to launcher ready: 2.15 s before, 1.87 s after).",
+    "- **The verdict with the outcome.** The run's supervisor gives the task its verdict and rank 0's value "
+    "once the driver's outcome is written, before `SparkContext.stop`, the driver's and the JVM's exits (0.5 s), "
+    "and waits for spark-submit's end by itself (docs/run-lifetime.md).",
     "- **Kept:** torchrun's elastic agent in-process (restarts, error files, its worker environment), the "
     "Spark UI (the operator links to it; the `ui_off` profile variant shows what turning it off would save).",
     "",

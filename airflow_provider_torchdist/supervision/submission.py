@@ -24,6 +24,8 @@ from airflow_provider_torchdist.supervision.config import PLAN_FILE, log
 DRIVER_PREFIX = "[torchdist] "
 #: How long teardown waits for spark-submit's thread once its session is being ended.
 KILL_WAIT_S = 30.0
+#: How a verdict without the driver's outcome starts.
+NO_OUTCOME = "The Spark application ended before the training driver reported an outcome"
 
 
 class RunProcess(Protocol):
@@ -91,7 +93,7 @@ def run_verdict(
     except (OSError, ValueError, TypeError) as exc:
         outcome, submit_error = None, submit_error or exc
     if outcome is None:
-        error = f"The Spark application ended before the training driver reported an outcome: {submit_error}"
+        error = f"{NO_OUTCOME}: {submit_error}"
         if (staging_dir / OUTCOME_FILE).with_suffix(".tmp").exists():
             error = (
                 f"The training driver could not write its outcome into the staging directory {staging_dir} "
@@ -120,6 +122,24 @@ def run_verdict(
         "sha256": manifest.sha256,
     }
     return "succeeded", {**seen, "output": output, "output_path": output_file}
+
+
+def verdict_when_out(staging_dir: Path, output_file: Path | None) -> tuple[str, dict[str, Any]] | None:
+    """The run's verdict once the driver's outcome is out, spark-submit still running or not; None
+    while it is not (or cannot be read yet: the end of spark-submit decides then).
+
+    The driver writes it (atomically) once every rank has ended and before its SparkContext stops,
+    and :func:`run_verdict` judges by it alone whatever spark-submit's end: Spark's own stop,
+    the driver's and the JVM's exits (0.5 s of a launch) need not keep the run's owner waiting."""
+    from airflow_provider_torchdist.spark.wire.outcome import OUTCOME_FILE
+
+    if not (staging_dir / OUTCOME_FILE).exists():
+        return None
+    try:
+        state, details = run_verdict(staging_dir, output_file, None)
+    except (OSError, ValueError, TypeError):
+        return None
+    return None if details.get("error", "").startswith(NO_OUTCOME) else (state, details)
 
 
 def failure_summary(failure: dict[str, Any]) -> str:

@@ -276,6 +276,66 @@ def test_an_ended_run_keeps_its_output_for_reattach_timeout_after_losing_its_tas
     h.wait_torn_down()
 
 
+# -- the verdict once the driver's outcome is out ----------------------------------------------------
+
+
+def _outcome_out(h: Harness, value: Any = 42) -> None:
+    """What the driver does before its SparkContext stops; spark-submit runs on."""
+    publish_value(value, h.staging)
+    Outcome(ok=True).write(h.staging)
+
+
+def test_the_owner_gets_the_verdict_and_output_while_spark_stops(harness):
+    h = harness(durable=False, reattach=30)
+    owner = h.owner()
+    _outcome_out(h)
+    done = list(owner.events())[-1]  # spark-submit has not ended
+    assert isinstance(done, DoneEvent) and done.status.state == "succeeded"
+    assert read_output(owner.fetch_output(h.staging.parent)) == 42
+    owner.release()
+    owner.close()
+    # The release tears down, but the stopping application is let end by itself, not killed.
+    assert stays_up(h, 0.3)
+    assert not h.run.killed.is_set()
+    h.run.end()
+    h.wait_torn_down()
+    assert not h.run.killed.is_set()
+
+
+def test_a_failed_outcome_is_the_verdict_at_once_too(harness):
+    h = harness(durable=True, reattach=30)
+    failure = RankFailure(rank=1, host="h", exc_type="ValueError", message="bad", traceback="tb")
+    Outcome(ok=False, failures=[failure], error="rank 1 failed").write(h.staging)
+    status = final_status(h)
+    assert (status.state, status.error) == ("failed", "rank 1 failed")
+    assert h.run.started.is_set() and not h.torn_down
+
+
+def test_an_unreadable_outcome_waits_for_spark_submits_end(harness):
+    h = harness(durable=True, reattach=30)
+    (h.staging / "outcome.json").write_text("{not json")
+    time.sleep(0.3)  # several looks at the file: none may give a verdict
+    assert not h.supervisor.state.ended
+    h.run.end(raises="Cannot execute: spark-submit. Error code is: 1.")
+    status = final_status(h)
+    assert status.state == "failed" and status.error.startswith(
+        "The Spark application ended before the training driver reported an outcome"
+    )
+
+
+def test_an_application_that_hangs_in_its_stop_is_killed_after_a_while(harness, monkeypatch):
+    from airflow_provider_torchdist.supervision import run_supervisor
+
+    monkeypatch.setattr(run_supervisor, "STOPPING_AFTER_OUTCOME_S", 0.3)
+    h = harness(durable=False, reattach=30)
+    with h.owner() as owner:
+        _outcome_out(h)
+        assert list(owner.events())[-1].status.state == "succeeded"
+        owner.release()
+    h.wait_torn_down()
+    assert h.run.killed.is_set()
+
+
 # -- commands --------------------------------------------------------------------------------------
 
 
