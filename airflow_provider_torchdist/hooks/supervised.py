@@ -13,7 +13,7 @@ import contextlib
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from airflow.providers.common.compat.sdk import AirflowTaskTimeout
 
@@ -32,17 +32,15 @@ from airflow_provider_torchdist.supervision.task_side import (
     start_supervisor,
 )
 
-if TYPE_CHECKING:
-    from airflow_provider_torchdist.submit.fast_start import FastStart
-
 T = TypeVar("T")
+#: How long ``follow(wait_for_teardown=True)`` waits: Spark's stop (killed after 30 s), then the rest.
+TEARDOWN_WAIT_S = 40.0
 
 
 class SupervisedRunsMixin:
     """Start, own, leave, take over and stop supervised runs (see the module docstring)."""
 
     _owner: OwnerConnection | None
-    _fast: FastStart | None
     record: RunRecord | None
     run_status: RunStatus | None
     metrics: list[dict[str, Any]]
@@ -67,7 +65,7 @@ class SupervisedRunsMixin:
         ``reattach_timeout`` seconds for the next (see :mod:`~airflow_provider_torchdist.supervision.task_side`).
         ``task``: the task instance the run belongs to (the operator's); only its owners can own it.
         """
-        staged, self._fast = self._prepare(train_object, args, kwargs)
+        staged = self._prepare(train_object, args, kwargs)
         assert self.plan is not None
         record = start_supervisor(
             staged,
@@ -116,7 +114,14 @@ class SupervisedRunsMixin:
             finally:
                 owner.close()
 
-    def follow(self, record: RunRecord, handle: Callable[[Path | None], T], *, since: int = 0) -> T:
+    def follow(
+        self,
+        record: RunRecord,
+        handle: Callable[[Path | None], T],
+        *,
+        since: int = 0,
+        wait_for_teardown: bool = False,
+    ) -> T:
         """Own the run to its end, then hand ``handle`` rank 0's output file (None for a script).
 
         The run's log lines go to this hook's log (the kept ones from line ``since`` on first, when
@@ -125,6 +130,11 @@ class SupervisedRunsMixin:
         each), its final status to ``run_status`` and its world sizes to ``world_sizes``.
         A failed run raises what :meth:`run` would raise. The run is released (torn down) once the
         output is handled; when ``handle`` fails, it is kept for the next owner.
+
+        A run that succeeded is handed over as soon as the driver's outcome is out, while Spark
+        stops; its supervisor waits for that stop alone. ``wait_for_teardown``: return only once
+        the supervisor has torn the run down (up to 40 s more), for a caller whose end would end
+        the supervisor too (a task in a pod of its own).
         """
         # The same run (its record may have gained a deadline or a Connect operation since).
         same_run = self.record is not None and self.record.run_id == record.run_id
@@ -139,15 +149,16 @@ class SupervisedRunsMixin:
             status = self._follow_events(owner, record)
             self.metrics, self.run_status = list(status.metrics), status
             self.world_sizes = list(status.world_sizes)
-            if self._fast is not None:
-                self._fast.finish()
-                self._fast = None
             if status.state != "succeeded":
                 owner.release()
                 raise_for_failure(status)
             with tempfile.TemporaryDirectory(prefix="torchdist-output-") as tmp:
                 result = handle(owner.fetch_output(Path(tmp)))
             owner.release()
+            if wait_for_teardown and not owner.wait_closed(TEARDOWN_WAIT_S):
+                self.log.warning(
+                    "Run %s's supervisor had not torn it down after %g s.", record.run_id, TEARDOWN_WAIT_S
+                )
             return result
         finally:
             self._owner = None

@@ -38,7 +38,6 @@ from airflow_provider_torchdist.submit.connect import (
     submission_for,
 )
 from airflow_provider_torchdist.submit.connection import CONN_TYPE, SparkTarget, resolve_target
-from airflow_provider_torchdist.submit.fast_start import FastStart
 from airflow_provider_torchdist.submit.masking import mask_setting_secrets
 from airflow_provider_torchdist.submit.plan import SubmitPlan
 from airflow_provider_torchdist.submit.prepare import check_and_stage, plan_staged
@@ -124,7 +123,6 @@ class TorchDistributorHook(SupervisedRunsMixin, BaseHook):
         #: The supervised run this hook started or follows, and its lifeline while it owns it.
         self.record: RunRecord | None = None
         self._owner: OwnerConnection | None = None
-        self._fast: FastStart | None = None
 
     __init__.__signature__ = hook_signature()  # type: ignore[attr-defined]
 
@@ -156,12 +154,9 @@ class TorchDistributorHook(SupervisedRunsMixin, BaseHook):
     ) -> T:
         """Train, then hand ``handle`` the file holding rank 0's encoded value (None for a script)
         before the staging directory goes: large outputs are streamed on, never loaded whole."""
-        staged, fast = self._prepare(train_object, args, kwargs)
+        staged = self._prepare(train_object, args, kwargs)
         try:
-            try:
-                self._submit(self.plan, staged)
-            finally:
-                fast.finish()
+            self._submit(self.plan, staged)
             return handle(staged.output_path if staged.spec.kind == "callable" else None)
         finally:
             self._stop_session()
@@ -173,7 +168,7 @@ class TorchDistributorHook(SupervisedRunsMixin, BaseHook):
         train_object: Callable[..., Any] | str,
         args: list[Any] | tuple[Any, ...] | None,
         kwargs: dict[str, Any] | None,
-    ) -> tuple[StagedRun, FastStart]:
+    ) -> StagedRun:
         """Every check that can fail before anything starts, then the staged work and its plan
         (``self.staged``, ``self.plan``); the caller owns the staging directory from here."""
         emit("hook_start")
@@ -181,12 +176,12 @@ class TorchDistributorHook(SupervisedRunsMixin, BaseHook):
         self.staged = staged
         emit("staged")
         try:
-            fast, self.plan = plan_staged(self.spec, self.target, staged, props, env)
+            self.plan = plan_staged(self.spec, self.target, staged, props, env)
         except BaseException:
             staged.cleanup()
             self.staged = None
             raise
-        return staged, fast
+        return staged
 
     def _submit(self, plan: SubmitPlan, staged: StagedRun) -> None:
         self.submission = submission_for(plan)

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.providers.common.compat.sdk import ResumableJobMixin
 
-from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed
+from airflow_provider_torchdist.errors import SparkSubmitFailed
+from airflow_provider_torchdist.operators.executors import executor_name, pod_bound
 from airflow_provider_torchdist.operators.outlet_events import run_extra, set_outlet_extra
 from airflow_provider_torchdist.operators.xcom import (
     link_pusher,
@@ -62,28 +63,6 @@ def _cleared_since(record: RunRecord, context: Any) -> bool:
     """Whether the task was cleared since the run started: Airflow raised its ``max_tries``."""
     max_tries = getattr(context.get("ti"), "max_tries", None)
     return record.max_tries is not None and type(max_tries) is int and max_tries > record.max_tries
-
-
-def check_deferral(target_embedded: bool, local_mode: bool, executor: str, log: Any) -> None:
-    """Refuse deferral where it loses the run; warn where it frees less than it seems.
-
-    The supervisor and the client-mode driver run beside the task. On a ``KubernetesExecutor`` pod
-    they die with the pod, which ends when the task defers. With the embedded master or
-    ``local_mode``, the ranks train on the worker machine: deferral frees the worker slot, not
-    the machine's CPUs.
-    """
-    if "KubernetesExecutor" in executor:
-        raise InvalidTrainingConfig(
-            f"deferrable=True cannot work on {executor}: the run's supervisor and Spark driver run in "
-            "this task's pod, which ends when the task defers. Use deferrable=False (a durable run "
-            "still survives a lost task and is reattached by the retry), or a CeleryExecutor worker."
-        )
-    if target_embedded or local_mode:
-        log.warning(
-            "Deferring a run whose ranks train on this worker machine (%s): the worker slot is freed, "
-            "the machine's CPUs are not.",
-            "local_mode" if local_mode else "the embedded Spark master",
-        )
 
 
 class SupervisedRunMixin(ResumableJobMixin):
@@ -274,7 +253,10 @@ class SupervisedRunMixin(ResumableJobMixin):
         try:
             with DeadlineWatch(deadline, lambda: hook.stop_run(record)) as watch:
                 try:
-                    value = hook.follow(record, output_handler(ti, hook.spec))
+                    # In a pod of its own, Spark's stop would end with the task: wait for it.
+                    value = hook.follow(
+                        record, output_handler(ti, hook.spec), wait_for_teardown=pod_bound(executor_name())
+                    )
                 except Exception as exc:
                     if watch.expired:  # the run failed because the watch stopped it
                         raise timeout_error(record.run_id, deadline, "while it trained") from exc

@@ -50,8 +50,8 @@ from airflow_provider_torchdist.submit.jvm import (
     java_feature_version,
     java_fingerprint,
     plan_driver_jvm_start,
-    private_cache_dir,
 )
+from airflow_provider_torchdist.submit.jvm_cache import private_cache_dir
 
 
 def installed_spark_home(spark_binary: str, environ: Mapping[str, str]) -> str | None:
@@ -83,11 +83,6 @@ class FastStart:
     env: dict[str, str]
     jvm: DriverJvmStart | None = None
     conf: dict[str, str] = field(default_factory=dict)
-
-    def finish(self) -> None:
-        """After spark-submit ended: install a first run's class-data archive into the cache."""
-        if self.jvm is not None:
-            self.jvm.finish()
 
 
 def plan_fast_start(

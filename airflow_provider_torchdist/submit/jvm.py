@@ -8,7 +8,8 @@ cut most of it:
 - an AppCDS archive (``-XX:SharedArchiveFile``): the classes come memory-mapped, already parsed
   and verified. Java 17 cannot create one on the fly (``-XX:+AutoCreateSharedArchive`` is Java
   19+), so the first run writes one at exit (``-XX:ArchiveClassesAtExit``) into a temporary file
-  and the hook moves it into a per-user cache once the JVM says it wrote all of it;
+  and the process that ran spark-submit moves it into a per-user cache (:mod:`~airflow_provider_torchdist.submit.jvm_cache`)
+  once the JVM says it wrote all of it;
 - ``-XX:TieredStopAtLevel=1``: only the quick C1 compiler, no C2 compile threads competing for
   the CPUs during the start. The driver JVM only schedules here; it does not crunch data. The one
   exception is ``train_data`` on a ``local[...]`` master, whose tasks run in the driver JVM and
@@ -28,6 +29,9 @@ Example::
     env["SPARK_SUBMIT_OPTS"] = start.spark_submit_opts(env.get("SPARK_SUBMIT_OPTS"))
     ...  # spark-submit runs to its end
     start.finish()  # a first run's archive goes into the cache
+
+The plan carries ``start.pending_archive()``; :class:`~airflow_provider_torchdist.submit.spark_submit.Submission`
+installs it when spark-submit ends (:func:`install_pending_archive`), in whichever process runs it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from airflow_provider_torchdist.submit.jvm_cache import find_archive, prune_cache
 
 CACHE_SUBDIR = ("airflow-provider-torchdist", "jvm")
 #: Dynamic archives exist since JDK 13, ``-Xlog`` since 9; 17 is what Spark 4 needs and what was tested.
@@ -56,13 +62,6 @@ DUMP_DONE = "Written dynamic archive"
 _OWN_CDS = re.compile(
     r"-XX:(SharedArchiveFile|ArchiveClassesAtExit|SharedClassListFile|DumpLoadedClassList)|-Xshare:"
 )
-#: A dump left by a run that was killed before the hook could install or delete it.
-STALE_DUMP_S = 24 * 3600
-#: Archives of combinations not written for this long (older JDK or Spark installs) are deleted.
-STALE_ARCHIVE_S = 30 * 24 * 3600
-#: The option parser of Spark's launcher splits on whitespace and quotes, and ``-Xlog`` on ``:``
-#: and ``,``; a cache path with none of those needs no quoting anywhere.
-_SAFE_PATH = re.compile(r"^[A-Za-z0-9._/+@=~-]+$")
 
 
 def cache_root(environ: Mapping[str, str]) -> Path:
@@ -131,74 +130,6 @@ def merge_java_options(ours: Sequence[str], user: str | None) -> str:
     return " ".join(parts)
 
 
-def find_archive(cache: Path, key: str) -> Path | None:
-    """This key's complete archive, if the cache has one: ``<key>-<size>.jsa`` whose size matches.
-
-    A truncated archive would crash the JVM (it maps the file: SIGBUS), so a file whose size is not
-    the one it was installed with is never handed to it.
-    """
-    try:
-        names = os.listdir(cache)
-    except OSError:
-        return None
-    prefix = f"{key}-"
-    for name in names:
-        if not (name.startswith(prefix) and name.endswith(".jsa")):
-            continue
-        size = name[len(prefix) : -len(".jsa")]
-        path = cache / name
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        if size.isdigit() and st.st_size == int(size) and st.st_uid == os.geteuid():
-            return path
-    return None
-
-
-def prune_cache(cache: Path, keep: Path | None = None, now: float | None = None) -> None:
-    """Delete dumps of killed runs (a day old) and other archives older than 30 days; never raises.
-
-    ``keep`` (the archive this run uses) is never deleted, so an archive in use stays.
-    """
-    import time
-
-    now = time.time() if now is None else now
-    try:
-        entries = list(os.scandir(cache))
-    except OSError:
-        return
-    for entry in entries:
-        if keep is not None and entry.path == str(keep):
-            continue
-        if entry.name.endswith((".jsa.part", ".log")):
-            limit = STALE_DUMP_S
-        elif entry.name.endswith(".jsa"):
-            limit = STALE_ARCHIVE_S
-        else:
-            continue
-        with contextlib.suppress(OSError):
-            if now - entry.stat().st_mtime > limit:
-                os.unlink(entry.path)
-
-
-def private_cache_dir(cache: Path) -> Path | None:
-    """Create ``cache`` (0700) if needed; None when it is not ours alone or its path needs quoting.
-
-    The JVM maps the archive as code, so a directory another user can write to is not used.
-    """
-    if not _SAFE_PATH.match(str(cache)):
-        return None
-    try:
-        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.stat(cache)
-    except OSError:
-        return None
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        return None
-    return cache
-
-
 @dataclass
 class DriverJvmStart:
     """The driver JVM options of one run, and (first run) the archive it writes at exit."""
@@ -215,6 +146,18 @@ class DriverJvmStart:
     def spark_submit_opts(self, user: str | None) -> str:
         """``SPARK_SUBMIT_OPTS`` for spark-submit: ours, then the user's own."""
         return merge_java_options(self.options, user)
+
+    def pending_archive(self) -> dict[str, str] | None:
+        """A first run's archive to install when spark-submit ends, as the plan carries it to
+        whoever runs spark-submit (:func:`install_pending_archive`); None when there is none."""
+        if self.dump_path is None or self.cache is None or self.key is None:
+            return None
+        return {
+            "dump_path": str(self.dump_path),
+            "dump_log": str(self.dump_log or ""),
+            "cache": str(self.cache),
+            "key": self.key,
+        }
 
     def finish(self) -> Path | None:
         """After spark-submit ended: install a first run's archive if the JVM wrote all of it.
@@ -238,6 +181,24 @@ class DriverJvmStart:
                 os.unlink(leftover)  # type: ignore[arg-type]
         prune_cache(self.cache, keep=installed)
         return installed
+
+
+def install_pending_archive(pending: Mapping[str, str] | None) -> Path | None:
+    """:meth:`DriverJvmStart.finish` for ``pending`` (:meth:`DriverJvmStart.pending_archive`):
+    after spark-submit ended, by the process that waited for it. Never raises."""
+    if not pending or not re.fullmatch(r"[0-9a-f]{24}", str(pending.get("key", ""))):
+        return None  # not one archive_key made: nothing is renamed outside the cache's names
+    try:
+        start = DriverJvmStart(
+            [],
+            dump_path=Path(pending["dump_path"]),
+            dump_log=Path(pending["dump_log"]) if pending["dump_log"] else None,
+            cache=Path(pending["cache"]),
+            key=pending["key"],
+        )
+    except (KeyError, TypeError):
+        return None
+    return start.finish()
 
 
 def plan_driver_jvm_start(

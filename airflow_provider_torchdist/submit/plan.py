@@ -81,6 +81,9 @@ class SubmitPlan:
     env: dict[str, str]
     #: Other ``SparkSubmitHook`` arguments (``executor_memory``, ``name``, ``verbose``, ...).
     submit_kwargs: dict[str, Any]
+    #: A first run's JVM class-data archive, installed when spark-submit ends
+    #: (:meth:`~airflow_provider_torchdist.submit.jvm.DriverJvmStart.pending_archive`).
+    jvm_archive: dict[str, str] | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -216,6 +219,7 @@ def build_plan(
     properties: Mapping[str, str],
     properties_dir: Path,
     env: Mapping[str, str],
+    jvm_archive: dict[str, str] | None = None,
 ) -> SubmitPlan:
     """The plan of one run; ``properties`` and ``env`` from :func:`spark_properties` and
     :func:`submit_environment` (plus the fast-start environment)."""
@@ -233,4 +237,5 @@ def build_plan(
         py_files=list(py_files),
         env=dict(env),
         submit_kwargs=kwargs,
+        jvm_archive=jvm_archive,
     )

@@ -18,7 +18,7 @@ from airflow_provider_torchdist.spark.node.checkpoints import CHECKPOINT_ENV
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.submit.connect import check_connect_run
 from airflow_provider_torchdist.submit.connection import SparkTarget
-from airflow_provider_torchdist.submit.fast_start import FastStart, plan_fast_start
+from airflow_provider_torchdist.submit.fast_start import plan_fast_start
 from airflow_provider_torchdist.submit.plan import (
     SubmitPlan,
     build_plan,
@@ -79,8 +79,8 @@ def check_and_stage(
 
 def plan_staged(
     spec: TrainingSpec, target: SparkTarget, staged: StagedRun, props: dict[str, str], env: dict[str, str]
-) -> tuple[FastStart, SubmitPlan]:
-    """The staged run's fast JVM start and spark-submit plan (the user's ``py_files`` staged too;
+) -> SubmitPlan:
+    """The staged run's spark-submit plan, with its fast JVM start (the user's ``py_files`` staged too;
     a module-mode run that trains on this machine checked to be importable)."""
     user_py_files = stage_py_files(spec.py_files, staged.dir)
     other_python = {"PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON"} & set(spec.env_vars) or {
@@ -106,5 +106,6 @@ def plan_staged(
         properties={**props, **fast.conf},
         properties_dir=staged.dir,
         env={**env, **fast.env},
+        jvm_archive=fast.jvm.pending_archive() if fast.jvm is not None else None,
     )
-    return fast, plan
+    return plan

@@ -18,6 +18,7 @@ from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.parent_death import signal_on_parent_death
 from airflow_provider_torchdist.submit.connection import connection_in_environment
+from airflow_provider_torchdist.submit.jvm import install_pending_archive
 from airflow_provider_torchdist.submit.plan import SubmitPlan
 from airflow_provider_torchdist.submit.properties import write_private_properties
 
@@ -90,6 +91,9 @@ class Submission:
             emit("spark_submit_end")
             self._done.set()
             watcher.join()
+            # Here, not in the run's owner: a supervised run's owner may be gone by now (its
+            # verdict came with the driver's outcome, before the JVM wrote the archive at exit).
+            install_pending_archive(self.plan.jvm_archive)
 
     def _note_session(self, marker: str) -> None:
         """Find the child that spark-submit's ``Popen`` made: the one leading its own session whose

@@ -176,16 +176,20 @@ class RunSupervisor(OwnerRules):
         self._follower.start()
 
     def _watch_outcome(self) -> None:
-        """Give the verdict once the driver's outcome is out, while Spark stops: the owner gets it
-        0.5 s sooner (:func:`verdict_when_out`); the run is torn down only once spark-submit has
-        ended by itself (:meth:`teardown`)."""
+        """Hand a succeeded run over once the driver's outcome is out, while Spark stops: the owner
+        gets it 0.5 s sooner (:func:`verdict_when_out`); the run is torn down only once
+        spark-submit has ended by itself (:meth:`teardown`)."""
         while self._run_thread.is_alive() and not self.state.ended:
             verdict = verdict_when_out(self.staging_dir, self.config.output_file)
             if verdict is not None:
+                if self._follower is not None:
+                    # The driver closed its channel before it wrote the outcome: its last lines
+                    # and metrics are in before the owner gets "done".
+                    self._follower.stop()
                 with self._cond:
                     if self._tearing_down:
                         return
-                self._outcome_out = True
+                    self._outcome_out = True
                 log("the driver's outcome is out; Spark stops")
                 self._finish(verdict[0], **verdict[1])
                 return
@@ -250,10 +254,10 @@ class RunSupervisor(OwnerRules):
             reason, run_error = self._reason, self._run_error
             process = self.process
             self._cond.notify_all()
+            stopping = STOPPING_AFTER_OUTCOME_S if self._outcome_out else 0.0
         log(f"tearing down: {reason}")
         running = process is not None and not self.state.ended and self._run_thread.is_alive()
         grace = self.config.stop_grace_period if running else 0.0
-        stopping = STOPPING_AFTER_OUTCOME_S if self._outcome_out else 0.0
         if self._lock_file is not None:
             # The next run of this task may wait for the lock now, for as long as this stop can take.
             self._lock_file.mark_ending(time.time() + grace + stopping + ENDING_WAIT_S)
@@ -270,9 +274,9 @@ class RunSupervisor(OwnerRules):
             end_process(process, self._run_thread)
         if self._follower is not None:
             self._follower.stop()
-        if self.server is not None:
-            self.server.close(f"run {self.run_id} was torn down: {reason}")
         shutil.rmtree(self.staging_dir, ignore_errors=True)
         if self._lock_file is not None:
             self._lock_file.release()
+        if self.server is not None:  # last: an owner waiting for the close knows all of it is done
+            self.server.close(f"run {self.run_id} was torn down: {reason}")
         log("torn down")

@@ -125,12 +125,14 @@ def run_verdict(
 
 
 def verdict_when_out(staging_dir: Path, output_file: Path | None) -> tuple[str, dict[str, Any]] | None:
-    """The run's verdict once the driver's outcome is out, spark-submit still running or not; None
-    while it is not (or cannot be read yet: the end of spark-submit decides then).
+    """A succeeded run's verdict once the driver's outcome is out, spark-submit still running or
+    not; None before, and for any other verdict (spark-submit's end decides those, as before).
 
     The driver writes it (atomically) once every rank has ended and before its SparkContext stops,
     and :func:`run_verdict` judges by it alone whatever spark-submit's end: Spark's own stop,
-    the driver's and the JVM's exits (0.5 s of a launch) need not keep the run's owner waiting."""
+    the driver's and the JVM's exits (0.5 s of a launch) need not keep the run's owner waiting.
+    A failed run waits for them: its cancelled ranks may still be going (a retry must not start
+    beside them), and an output whose manifest is not in yet is no verdict."""
     from airflow_provider_torchdist.spark.wire.outcome import OUTCOME_FILE
 
     if not (staging_dir / OUTCOME_FILE).exists():
@@ -139,7 +141,7 @@ def verdict_when_out(staging_dir: Path, output_file: Path | None) -> tuple[str, 
         state, details = run_verdict(staging_dir, output_file, None)
     except (OSError, ValueError, TypeError):
         return None
-    return None if details.get("error", "").startswith(NO_OUTCOME) else (state, details)
+    return (state, details) if state == "succeeded" else None
 
 
 def failure_summary(failure: dict[str, Any]) -> str:

@@ -108,6 +108,8 @@ class FakeSpark:
         self.publish = True
         #: Called with the staging directory before the outcome is written: a test's own driver act.
         self.also: Callable[[Path], None] | None = None
+        #: Called with the staging directory after it, before spark-submit returns: Spark's stop.
+        self.stopping: Callable[[Path], None] | None = None
         self.calls = 0
         self.spark_hook: SparkSubmitHook | None = None
         self.application = ""
@@ -147,6 +149,8 @@ class FakeSpark:
             self.also(staged)
         if self.outcome is not None:
             self.outcome.write(staged)
+        if self.stopping is not None:
+            self.stopping(staged)
         if self.raises:
             raise AirflowException("Cannot execute: spark-submit. Error code is: 1.")
 

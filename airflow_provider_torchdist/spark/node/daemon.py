@@ -12,10 +12,15 @@ With :data:`PRELOAD_ENV` set (a distributed run: ``spark.executorEnv``), the dae
 launcher, and so torch and torchrun's agent, before it serves: each worker it forks starts with
 them loaded. Each barrier task would otherwise import torch itself (1.7 s, both tasks at once on
 the same cores); the daemon does it once (``bench/profile_launch.py``: worker start to launcher
-ready, 2.15 s before, 1.87 s after). Nothing runs in torch here, so no thread pool exists to be
-lost in the fork. The loaded heap is frozen (``gc.freeze``, as the Python docs advise before
-forking workers: no collection in a worker touches, so copies, the daemon's pages), and the daemon
-ends without interpreter teardown, which with torch loaded takes 0.4 s of the application's stop.
+ready, 2.15 s before, 1.87 s after). The import starts OpenBLAS's thread pool (numpy's), which
+makes itself again in each forked child (its ``pthread_atfork`` handler); torch's own OpenMP pool
+is made by the first parallel operation, and the daemon runs none. The loaded heap is frozen
+(``gc.freeze``, as the Python docs advise before forking workers: no collection in a worker
+touches, so copies, the daemon's pages), and the daemon ends without interpreter teardown, which
+with torch loaded takes 0.4 s of the application's stop. A preload that fails is said on the
+executor's stderr, and the daemon starts again without it (a half-imported torch stays nowhere):
+the barrier task then imports the launcher itself and reports the error where the run's owner
+sees it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import runpy
 import sys
 from collections.abc import Mapping
+from typing import NoReturn
 
 from airflow_provider_torchdist.spark.node.pyspark_path import prefer_installed_pyspark
 
@@ -38,18 +44,25 @@ PRELOADED_MODULE = "airflow_provider_torchdist.spark.node.launcher"
 
 
 def preload(environ: Mapping[str, str] = os.environ) -> bool:
-    """Import the launcher when :data:`PRELOAD_ENV` asks for it, then freeze the heap; True if it did.
-
-    A launcher that cannot be imported is left for the task to report (it imports it again, and
-    fails with the error where the run's owner sees it)."""
+    """Import the launcher when :data:`PRELOAD_ENV` asks for it, then freeze the heap; True if it
+    did. Raises what the import raised."""
     if environ.get(PRELOAD_ENV) != "1":
         return False
-    try:
-        __import__(PRELOADED_MODULE)
-    except Exception:
-        return False
+    __import__(PRELOADED_MODULE)
     gc.freeze()
     return True
+
+
+def start_again_without_preload(error: BaseException) -> NoReturn:
+    """Say why the preload failed, then this daemon again, as Spark started it, without it."""
+    print(
+        f"[torchdist] the Python daemon could not load {PRELOADED_MODULE} ({error!r}); "
+        "it starts again without it",
+        file=sys.stderr,
+        flush=True,
+    )
+    env = {k: v for k, v in os.environ.items() if k != PRELOAD_ENV}
+    os.execve(sys.executable, [sys.executable, "-m", DAEMON_MODULE, *sys.argv[1:]], env)
 
 
 def serve() -> None:
@@ -67,5 +80,8 @@ def serve() -> None:
 
 if __name__ == "__main__":
     prefer_installed_pyspark()
-    preload()
+    try:
+        preload()
+    except Exception as exc:
+        start_again_without_preload(exc)
     serve()

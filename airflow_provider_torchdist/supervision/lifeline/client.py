@@ -144,6 +144,22 @@ class OwnerConnection:
         """The result is taken (or not wanted): the supervisor tears the ended run down."""
         self._command("release")
 
+    def wait_closed(self, timeout: float) -> bool:
+        """After :meth:`release`: wait until the supervisor closes the lifeline, which it does once
+        the run is torn down (spark-submit ended, the staging directory gone); False when
+        ``timeout`` seconds pass first. For an owner whose end also ends the supervisor (a task
+        in a pod of its own)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if read_message(self._reader) is None:
+                    return True
+            except TimeoutError:
+                return False  # silent for longer than its pings allow (and the reader is spent)
+            except (OSError, ValueError):
+                return True
+        return False
+
     def fetch_output(self, dest_dir: Path) -> Path | None:
         """Rank 0's output, once the run has ended, as ``dest_dir/output.pkl`` (0600) with the
         manifest beside it that :class:`~airflow_provider_torchdist.spark.wire.output_store.OutputManifest`

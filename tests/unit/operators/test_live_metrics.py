@@ -235,7 +235,7 @@ def test_the_operator_pushes_the_first_report_at_once_and_the_whole_history_at_t
     history = reports(3)
     op = TorchDistributorOperator(task_id="train", train_object=lambda: None)
 
-    def follow(record: RunRecord, handle: Any) -> str:
+    def follow(record: RunRecord, handle: Any, **options: Any) -> str:
         for n in (1, 2, 3):  # three reports within a second: the first goes, the others wait
             hook.metrics = history[:n]
             hook.on_metrics(hook.metrics)

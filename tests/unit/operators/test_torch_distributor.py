@@ -329,7 +329,7 @@ def test_a_task_failing_while_it_owns_the_run_stops_it_unless_a_retry_comes(monk
     ended: list[RunRecord] = []
     monkeypatch.setattr(run_owner, "end_run", ended.append)
 
-    def follow(record, handle):
+    def follow(record, handle, **options):
         raise SparkSubmitFailed("the lifeline broke while fetching the output")
 
     op = _op(retries=retries)
@@ -374,7 +374,7 @@ def _follow_with_operation(store) -> tuple:
     record = RunRecord(run_id="run-1", host="127.0.0.1", port=40123, durable=True, reattach_timeout=600.0)
     op = _op()
 
-    def follow(record, handle):
+    def follow(record, handle, **options):
         hook.on_operation(OPERATION)  # what the run's app event calls
         return "value"
 
@@ -482,7 +482,7 @@ class WatchedHook:
         self.metrics, self.world_sizes, self.run_status = [], [], None
         self.spec, self.on_application = op.training_spec(), None
 
-    def follow(self, record, handle):
+    def follow(self, record, handle, **options):
         from airflow_provider_torchdist.errors import SparkSubmitFailed
 
         if self.ended_first:  # the run has ended: its output is being fetched when the deadline passes

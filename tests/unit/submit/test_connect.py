@@ -58,7 +58,7 @@ def _plan(hook: TorchDistributorHook):
 
     staged, props, env = check_and_stage(hook.spec, hook.target, hook.log, lambda: 1, [], {})
     try:
-        return plan_staged(hook.spec, hook.target, staged, props, env)[1]
+        return plan_staged(hook.spec, hook.target, staged, props, env)
     finally:
         staged.cleanup()
 

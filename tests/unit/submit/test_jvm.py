@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,17 +24,16 @@ from airflow_provider_torchdist.submit.jvm import (
     DUMP_DONE,
     archive_key,
     cache_root,
-    find_archive,
+    install_pending_archive,
     java_feature_version,
     java_fingerprint,
     manages_own_cds,
     merge_java_options,
     plan_driver_jvm_start,
-    private_cache_dir,
-    prune_cache,
 )
+from airflow_provider_torchdist.submit.jvm_cache import find_archive, private_cache_dir, prune_cache
 from airflow_provider_torchdist.submit.plan import submit_environment
-from tests.unit.conftest import planned_properties
+from tests.unit.conftest import planned_properties, wait_until
 
 KEY = ["java-a", "spark-b", "distributed", ""]
 
@@ -231,8 +232,61 @@ def test_the_plan_is_what_plan_fast_start_gives(clean_env, tmp_path):
     fast = plan_fast_start(hook.spec, hook.target, environ, props)
     assert fast.jvm is not None and fast.env["SPARK_SUBMIT_OPTS"] == " ".join(fast.jvm.options)
     assert fast.jvm.dump_path is not None and fast.jvm.dump_path.parent == clean_env
-    fast.finish()
+    fast.jvm.finish()
     assert list(clean_env.iterdir()) == []
+
+
+def _jvm_writes_its_archive_at_exit(hook: TorchDistributorHook) -> Callable[[Path], None]:
+    """What the driver JVM of a first run does as it exits, after the outcome is out."""
+
+    def stopping(staging: Path) -> None:
+        pending = hook.plan.jvm_archive
+        assert pending is not None
+        Path(pending["dump_path"]).write_bytes(b"x" * 4096)
+        Path(pending["dump_log"]).write_text(f"[1.2s][info][cds,dynamic] {DUMP_DONE} 0x8 - 0x9\n")
+
+    return stopping
+
+
+def test_the_archive_a_first_run_writes_at_exit_is_installed_when_spark_submit_ends(
+    clean_env, fake_spark, tmp_path
+):
+    hook = _hook(tmp_path, num_processes=2)
+    fake_spark.stopping = _jvm_writes_its_archive_at_exit(hook)
+    _run(hook)
+    assert [p.name.endswith("-4096.jsa") for p in clean_env.iterdir()] == [True]  # and no dump left
+
+
+def test_a_supervised_runs_archive_is_installed_though_its_owner_left_before_the_jvm_ended(
+    clean_env, fake_spark, inline_supervisor, tmp_path
+):
+    """The owner gets the verdict with the driver's outcome; the JVM writes the archive later."""
+    hook = _hook(tmp_path, num_processes=2)
+    write_archive = _jvm_writes_its_archive_at_exit(hook)
+    released = threading.Event()
+
+    def stopping(staging: Path) -> None:
+        assert released.wait(10), "the owner never got the verdict"
+        write_archive(staging)
+
+    fake_spark.stopping = stopping
+    record = hook.start_run(_train, durable=False)
+    hook.follow(record, lambda path: released.set())
+    wait_until(lambda: any(p.name.endswith(".jsa") for p in clean_env.iterdir()), 10, "the archive")
+    supervisor = inline_supervisor[0]
+    wait_until(lambda: not supervisor.staging_dir.exists(), 10, "the teardown")
+    assert [p.name.endswith("-4096.jsa") for p in clean_env.iterdir()] == [True]
+
+
+def test_a_pending_archive_with_a_key_not_of_archive_key_is_not_installed(clean_env, tmp_path):
+    start = plan_driver_jvm_start(tmp_path, KEY)
+    start.dump_path.write_bytes(b"x" * 4096)
+    start.dump_log.write_text(f"{DUMP_DONE}\n")
+    pending = start.pending_archive()
+    assert install_pending_archive({**pending, "key": "../../elsewhere"}) is None
+    assert install_pending_archive({**pending, "key": ""}) is None
+    assert install_pending_archive(None) is None
+    assert install_pending_archive(pending) == tmp_path / f"{archive_key(KEY)}-4096.jsa"
 
 
 def test_users_own_spark_submit_opts_are_kept_and_win(clean_env, monkeypatch, fake_spark, tmp_path):
@@ -282,7 +336,7 @@ def test_a_local_master_reading_train_data_keeps_the_optimizing_compiler(clean_e
     fast = plan_fast_start(hook.spec, hook.target, environ, props)
     assert fast.jvm is not None and (C1_ONLY in fast.jvm.options) is c1
     assert ("-XX:ArchiveClassesAtExit" in fast.env["SPARK_SUBMIT_OPTS"]) is True  # the archive either way
-    fast.finish()
+    fast.jvm.finish()
 
 
 def test_the_jvm_plan_leaves_c1_only_out_when_asked():

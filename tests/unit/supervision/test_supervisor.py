@@ -285,6 +285,7 @@ def _outcome_out(h: Harness, value: Any = 42) -> None:
     Outcome(ok=True).write(h.staging)
 
 
+@pytest.mark.timeout(20)  # without the early verdict, events() waits for a spark-submit that never ends
 def test_the_owner_gets_the_verdict_and_output_while_spark_stops(harness):
     h = harness(durable=False, reattach=30)
     owner = h.owner()
@@ -302,13 +303,48 @@ def test_the_owner_gets_the_verdict_and_output_while_spark_stops(harness):
     assert not h.run.killed.is_set()
 
 
-def test_a_failed_outcome_is_the_verdict_at_once_too(harness):
+def test_the_drivers_last_lines_are_in_before_the_owner_gets_done(tmp_path, monkeypatch):
+    """The follower is drained (the driver closed its channel before the outcome) before "done"."""
+    stops: list[bool] = []
+
+    class Follower:
+        def stop(self) -> None:
+            stops.append(supervisor.state.ended)
+
+    def start_follower(self: RunSupervisor) -> None:
+        self._follower = Follower()
+
+    monkeypatch.setattr(RunSupervisor, "_start_follower", start_follower)
+    staging = tmp_path / "torchdist-run"
+    staging.mkdir()
+    config = SupervisorConfig(RUN, False, 30, "127.0.0.1", None, SECRET, staging / "output.pkl", 0.0)
+    run = FakeRun()
+    supervisor = RunSupervisor(staging, config, make_run=lambda: run, silence_s=SILENCE, ping_interval=0.05)
+    host, port = supervisor.listen()
+    threading.Thread(target=supervisor.serve, daemon=True).start()
+    with OwnerConnection(host, port, RUN, SECRET, kind="task", ping_interval=0.05) as owner:
+        publish_value(42, staging)
+        Outcome(ok=True).write(staging)
+        assert isinstance(list(owner.events())[-1], DoneEvent)
+        assert stops[:1] == [False]  # drained while the run had not ended
+        owner.release()
+    run.end()
+    wait_until(lambda: not staging.exists(), 10, "the teardown")
+
+
+@pytest.mark.parametrize("output", [False, True], ids=["failed ranks", "output without its manifest"])
+def test_any_other_verdict_waits_for_spark_submits_end(harness, output):
+    """A failed run's cancelled ranks may still be going; an output's manifest may be on its way."""
     h = harness(durable=True, reattach=30)
-    failure = RankFailure(rank=1, host="h", exc_type="ValueError", message="bad", traceback="tb")
-    Outcome(ok=False, failures=[failure], error="rank 1 failed").write(h.staging)
-    status = final_status(h)
-    assert (status.state, status.error) == ("failed", "rank 1 failed")
-    assert h.run.started.is_set() and not h.torn_down
+    if output:
+        Outcome(ok=True).write(h.staging)  # rank 0's output is not in
+    else:
+        failure = RankFailure(rank=1, host="h", exc_type="ValueError", message="bad", traceback="tb")
+        Outcome(ok=False, failures=[failure], error="rank 1 failed").write(h.staging)
+    time.sleep(0.3)  # several looks at the outcome: none may give a verdict
+    assert not h.supervisor.state.ended
+    h.run.end()
+    assert final_status(h).state == "failed"
 
 
 def test_an_unreadable_outcome_waits_for_spark_submits_end(harness):
@@ -323,6 +359,7 @@ def test_an_unreadable_outcome_waits_for_spark_submits_end(harness):
     )
 
 
+@pytest.mark.timeout(20)
 def test_an_application_that_hangs_in_its_stop_is_killed_after_a_while(harness, monkeypatch):
     from airflow_provider_torchdist.supervision import run_supervisor
 

@@ -20,7 +20,11 @@ from airflow_provider_torchdist.spark.node.daemon import DAEMON_MODULE, PRELOAD_
 def _start(module: str, **environ: str) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k != PRELOAD_ENV}
     proc = subprocess.Popen(
-        [sys.executable, "-m", module], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**env, **environ}
+        [sys.executable, "-m", module],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**env, **environ},
     )
     assert proc.stdout is not None
     (port,) = struct.unpack("!i", proc.stdout.read(4))  # what Spark reads: the daemon is serving
@@ -67,8 +71,29 @@ def test_only_the_value_1_preloads(monkeypatch, value):
     assert daemon.preload(environ) is False
 
 
-def test_a_launcher_that_cannot_be_imported_is_left_for_the_task_to_report(monkeypatch):
+def test_a_preload_that_fails_raises_and_freezes_nothing(monkeypatch):
     monkeypatch.setattr(daemon, "PRELOADED_MODULE", "airflow_provider_torchdist.no_such_module")
     frozen = gc.get_freeze_count()
-    assert daemon.preload({PRELOAD_ENV: "1"}) is False
-    assert gc.get_freeze_count() == frozen  # nothing frozen either
+    with pytest.raises(ModuleNotFoundError):
+        daemon.preload({PRELOAD_ENV: "1"})
+    assert gc.get_freeze_count() == frozen
+
+
+def test_a_daemon_whose_preload_fails_says_so_and_serves_without_it(tmp_path):
+    """A torch that cannot be imported: the daemon starts again, clean, and serves; the barrier
+    task will report the import error itself."""
+    broken = tmp_path / "torch"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('this torch is broken')\n")
+    proc = _start(
+        DAEMON_MODULE, **{PRELOAD_ENV: "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    )
+    try:
+        assert not _torch_loaded(proc.pid)
+        assert "TORCHDIST_DAEMON_PRELOAD" not in psutil.Process(proc.pid).environ()
+    finally:
+        _stop(proc)
+    assert proc.stderr is not None
+    said = proc.stderr.read().decode()
+    assert "could not load airflow_provider_torchdist.spark.node.launcher" in said
+    assert "this torch is broken" in said
