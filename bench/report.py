@@ -312,7 +312,7 @@ LAUNCH_SETTINGS = [
     "first run per user, Java build, Spark install, mode and JVM options writes the archive at JVM exit "
     "(`-XX:ArchiveClassesAtExit`, about 75 MB, 1-2 s more on that one run) into "
     "`$XDG_CACHE_HOME/airflow-provider-torchdist/jvm` (default `~/.cache/...`, created 0700; a directory others "
-    "can write to is not used). The hook installs it only when the JVM logged that it wrote all of it, named "
+    "can write to is not used). The process that ran spark-submit installs it once spark-submit has ended, only when the JVM logged that it wrote all of it, named "
     "with its size, and checks that size before each use: a truncated archive would crash the JVM (SIGBUS), a "
     "mismatched one (another JDK build, changed jars) is ignored by `-Xshare:auto`. Trade-off: with C1 only, "
     "the driver JVM's own long-running code runs slower (no C2). Here that JVM schedules the barrier stage and "

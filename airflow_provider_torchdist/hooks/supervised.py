@@ -150,19 +150,23 @@ class SupervisedRunsMixin:
             self.metrics, self.run_status = list(status.metrics), status
             self.world_sizes = list(status.world_sizes)
             if status.state != "succeeded":
-                owner.release()
+                self._release(owner, record, wait_for_teardown)
                 raise_for_failure(status)
             with tempfile.TemporaryDirectory(prefix="torchdist-output-") as tmp:
                 result = handle(owner.fetch_output(Path(tmp)))
-            owner.release()
-            if wait_for_teardown and not owner.wait_closed(TEARDOWN_WAIT_S):
-                self.log.warning(
-                    "Run %s's supervisor had not torn it down after %g s.", record.run_id, TEARDOWN_WAIT_S
-                )
+            self._release(owner, record, wait_for_teardown)
             return result
         finally:
             self._owner = None
             owner.close()
+
+    def _release(self, owner: OwnerConnection, record: RunRecord, wait_for_teardown: bool) -> None:
+        """The run is over for this owner: its supervisor tears it down (waited for on request)."""
+        owner.release()
+        if wait_for_teardown and not owner.wait_closed(TEARDOWN_WAIT_S):
+            self.log.warning(
+                "Run %s's supervisor had not torn it down after %g s.", record.run_id, TEARDOWN_WAIT_S
+            )
 
     def _follow_events(self, owner: OwnerConnection, record: RunRecord) -> RunStatus:
         """The run's events to this hook's log and callbacks, to its final status.

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.providers.common.compat.sdk import ResumableJobMixin
 
 from airflow_provider_torchdist.errors import SparkSubmitFailed
-from airflow_provider_torchdist.operators.executors import executor_name, pod_bound
+from airflow_provider_torchdist.operators.executors import pod_bound, task_executor
 from airflow_provider_torchdist.operators.outlet_events import run_extra, set_outlet_extra
 from airflow_provider_torchdist.operators.xcom import (
     link_pusher,
@@ -255,7 +255,7 @@ class SupervisedRunMixin(ResumableJobMixin):
                 try:
                     # In a pod of its own, Spark's stop would end with the task: wait for it.
                     value = hook.follow(
-                        record, output_handler(ti, hook.spec), wait_for_teardown=pod_bound(executor_name())
+                        record, output_handler(ti, hook.spec), wait_for_teardown=pod_bound(task_executor(ti))
                     )
                 except Exception as exc:
                     if watch.expired:  # the run failed because the watch stopped it

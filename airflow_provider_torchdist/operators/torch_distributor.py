@@ -20,7 +20,7 @@ from airflow.providers.common.compat.sdk import conf as airflow_conf
 
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
 from airflow_provider_torchdist.links import SparkHistoryServerLink, SparkMasterAppLink, SparkUILink
-from airflow_provider_torchdist.operators.executors import check_deferral, executor_name
+from airflow_provider_torchdist.operators.executors import check_deferral, task_executor
 from airflow_provider_torchdist.operators.lineage import inject_openlineage
 from airflow_provider_torchdist.operators.run_control import SupervisedRunMixin
 from airflow_provider_torchdist.operators.xcom import METRICS_XCOM_KEY as METRICS_XCOM_KEY  # public since 0.1
@@ -195,7 +195,7 @@ class TorchDistributorOperator(SupervisedRunMixin, BaseOperator):
             check_deferral(
                 self._hook.embedded,
                 self._hook.spec.local_mode,
-                executor_name(),
+                task_executor(context["ti"]),
                 self.log,
             )
             record = self._live_run(context) or self._submit(context)

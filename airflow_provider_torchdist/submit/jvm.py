@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from airflow_provider_torchdist.submit.jvm_cache import find_archive, prune_cache
+from airflow_provider_torchdist.submit.jvm_cache import find_archive, private_cache_dir, prune_cache
 
 CACHE_SUBDIR = ("airflow-provider-torchdist", "jvm")
 #: Dynamic archives exist since JDK 13, ``-Xlog`` since 9; 17 is what Spark 4 needs and what was tested.
@@ -183,22 +183,26 @@ class DriverJvmStart:
         return installed
 
 
-def install_pending_archive(pending: Mapping[str, str] | None) -> Path | None:
+def install_pending_archive(pending: object) -> Path | None:
     """:meth:`DriverJvmStart.finish` for ``pending`` (:meth:`DriverJvmStart.pending_archive`):
-    after spark-submit ended, by the process that waited for it. Never raises."""
-    if not pending or not re.fullmatch(r"[0-9a-f]{24}", str(pending.get("key", ""))):
-        return None  # not one archive_key made: nothing is renamed outside the cache's names
-    try:
-        start = DriverJvmStart(
-            [],
-            dump_path=Path(pending["dump_path"]),
-            dump_log=Path(pending["dump_log"]) if pending["dump_log"] else None,
-            cache=Path(pending["cache"]),
-            key=pending["key"],
-        )
-    except (KeyError, TypeError):
+    after spark-submit ended, by the process that waited for it. Never raises.
+
+    The plan that carries it is this user's own, but only what a plan of this module could hold is
+    acted on: this user's private cache directory, and the dump and log it would have named there
+    for the key (so nothing outside that cache is renamed or deleted)."""
+    if not isinstance(pending, Mapping):
         return None
-    return start.finish()
+    try:
+        key, cache = str(pending["key"]), Path(str(pending["cache"]))
+        dump, log = Path(str(pending["dump_path"])), Path(str(pending["dump_log"]))
+        ours = re.fullmatch(r"[0-9a-f]{24}", key) and private_cache_dir(cache) == cache
+        named = re.compile(rf"{key}\.\d+\.[0-9a-f]{{8}}\.jsa\.part")
+        tag = dump.name.removesuffix(".jsa.part")
+        if not ours or dump.parent != cache or not named.fullmatch(dump.name) or log != cache / f"{tag}.log":
+            return None
+        return DriverJvmStart([], dump_path=dump, dump_log=log, cache=cache, key=key).finish()
+    except Exception:  # a cache problem only costs the speed-up, never the run's own result
+        return None
 
 
 def plan_driver_jvm_start(

@@ -8,7 +8,7 @@ import os
 import re
 from pathlib import Path
 
-#: A dump left by a run that was killed before the hook could install or delete it.
+#: A dump left by a run that was killed before it could be installed or deleted.
 STALE_DUMP_S = 24 * 3600
 #: Archives of combinations not written for this long (older JDK or Spark installs) are deleted.
 STALE_ARCHIVE_S = 30 * 24 * 3600

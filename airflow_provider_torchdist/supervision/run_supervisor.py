@@ -35,6 +35,7 @@ from airflow_provider_torchdist.supervision.submission import (
     RunProcess,
     end_process,
     failure_summary,
+    outcome_is_out,
     run_verdict,
     submission_of,
     verdict_when_out,
@@ -180,6 +181,10 @@ class RunSupervisor(OwnerRules):
         gets it 0.5 s sooner (:func:`verdict_when_out`); the run is torn down only once
         spark-submit has ended by itself (:meth:`teardown`)."""
         while self._run_thread.is_alive() and not self.state.ended:
+            if not outcome_is_out(self.staging_dir):
+                self._run_thread.join(OUTCOME_POLL_S)
+                continue
+            # Out: a succeeded run's verdict now, any other at spark-submit's end (one look).
             verdict = verdict_when_out(self.staging_dir, self.config.output_file)
             if verdict is not None:
                 if self._follower is not None:
@@ -192,8 +197,7 @@ class RunSupervisor(OwnerRules):
                     self._outcome_out = True
                 log("the driver's outcome is out; Spark stops")
                 self._finish(verdict[0], **verdict[1])
-                return
-            self._run_thread.join(OUTCOME_POLL_S)
+            return
 
     def _conclude(self, submit_error: BaseException | None) -> None:
         """spark-submit has ended: the run's verdict, as ``hook.run()`` would give it."""

@@ -49,9 +49,13 @@ def submission_of(
     from airflow_provider_torchdist.submit.plan import SubmitPlan
 
     data = json.loads(plan_text)
-    names = {f.name for f in dataclasses.fields(SubmitPlan)}
-    if set(data) != names:
-        raise ValueError(f"{PLAN_FILE} must hold exactly {sorted(names)}, got {sorted(data)}")
+    fields = dataclasses.fields(SubmitPlan)
+    names = {f.name for f in fields}
+    required = {f.name for f in fields if f.default is dataclasses.MISSING}
+    if not required <= set(data) <= names:  # a plan of a release before an optional field is one
+        raise ValueError(
+            f"{PLAN_FILE} must hold {sorted(required)} (and may hold {sorted(names - required)}), got {sorted(data)}"
+        )
     if on_line is not None:
         forward_logs(on_line)
     return submission_for(SubmitPlan.from_json(plan_text))
@@ -124,6 +128,13 @@ def run_verdict(
     return "succeeded", {**seen, "output": output, "output_path": output_file}
 
 
+def outcome_is_out(staging_dir: Path) -> bool:
+    """Whether the driver has written its outcome (see :func:`verdict_when_out`)."""
+    from airflow_provider_torchdist.spark.wire.outcome import OUTCOME_FILE
+
+    return (staging_dir / OUTCOME_FILE).exists()
+
+
 def verdict_when_out(staging_dir: Path, output_file: Path | None) -> tuple[str, dict[str, Any]] | None:
     """A succeeded run's verdict once the driver's outcome is out, spark-submit still running or
     not; None before, and for any other verdict (spark-submit's end decides those, as before).
@@ -133,9 +144,7 @@ def verdict_when_out(staging_dir: Path, output_file: Path | None) -> tuple[str, 
     the driver's and the JVM's exits (0.5 s of a launch) need not keep the run's owner waiting.
     A failed run waits for them: its cancelled ranks may still be going (a retry must not start
     beside them), and an output whose manifest is not in yet is no verdict."""
-    from airflow_provider_torchdist.spark.wire.outcome import OUTCOME_FILE
-
-    if not (staging_dir / OUTCOME_FILE).exists():
+    if not outcome_is_out(staging_dir):
         return None
     try:
         state, details = run_verdict(staging_dir, output_file, None)

@@ -62,7 +62,8 @@ def start_again_without_preload(error: BaseException) -> NoReturn:
         flush=True,
     )
     env = {k: v for k, v in os.environ.items() if k != PRELOAD_ENV}
-    os.execve(sys.executable, [sys.executable, "-m", DAEMON_MODULE, *sys.argv[1:]], env)
+    # The same command line, interpreter flags included (python [flags] -m <this module> [args]).
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def serve() -> None:
@@ -82,6 +83,6 @@ if __name__ == "__main__":
     prefer_installed_pyspark()
     try:
         preload()
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # an import that calls sys.exit() too
         start_again_without_preload(exc)
     serve()

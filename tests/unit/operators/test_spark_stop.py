@@ -61,10 +61,36 @@ def test_a_task_in_a_pod_of_its_own_returns_only_once_spark_has_stopped(
     assert not inline_supervisor[0].staging_dir.exists()  # torn down before execute returned
 
 
-@pytest.mark.parametrize("executor", ["KubernetesExecutor", "CeleryExecutor,KubernetesExecutor"])
+@pytest.mark.parametrize(
+    "executor",
+    [
+        "KubernetesExecutor",
+        "KubernetesExecutor,CeleryExecutor",  # the first is the default
+        "airflow.providers.amazon.aws.executors.ecs.ecs_executor.AwsEcsExecutor",
+        "k8s:airflow.providers.cncf.kubernetes.executors.kubernetes_executor.KubernetesExecutor",
+    ],
+)
 def test_deferral_is_refused_in_a_pod_of_its_own(no_submit, monkeypatch, executor):
     monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", executor)
     op = TorchDistributorOperator(task_id="train", train_object=_double, args=[21], deferrable=True)
-    with pytest.raises(InvalidTrainingConfig, match="deferrable=True cannot work on .*KubernetesExecutor"):
+    with pytest.raises(InvalidTrainingConfig, match="deferrable=True cannot work on .*Executor"):
         op.execute({"ti": FakeTI()})
     assert no_submit == []
+
+
+@pytest.mark.parametrize(
+    "setting, own, bound",
+    [
+        ("CeleryExecutor,KubernetesExecutor", None, False),  # the default runs it
+        ("CeleryExecutor,KubernetesExecutor", "KubernetesExecutor", True),  # the task's own
+        ("KubernetesExecutor", "CeleryExecutor", False),
+        ("LocalExecutor", None, False),
+    ],
+)
+def test_the_executor_is_the_tasks_own_else_the_default(monkeypatch, setting, own, bound):
+    from airflow_provider_torchdist.operators.executors import pod_bound, task_executor
+
+    monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", setting)
+    ti = FakeTI()
+    ti.executor = own
+    assert pod_bound(task_executor(ti)) is bound

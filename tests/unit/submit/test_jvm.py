@@ -278,14 +278,26 @@ def test_a_supervised_runs_archive_is_installed_though_its_owner_left_before_the
     assert [p.name.endswith("-4096.jsa") for p in clean_env.iterdir()] == [True]
 
 
-def test_a_pending_archive_with_a_key_not_of_archive_key_is_not_installed(clean_env, tmp_path):
+def test_a_pending_archive_is_installed_only_as_this_module_would_have_named_it(clean_env, tmp_path):
     start = plan_driver_jvm_start(tmp_path, KEY)
     start.dump_path.write_bytes(b"x" * 4096)
     start.dump_log.write_text(f"{DUMP_DONE}\n")
     pending = start.pending_archive()
-    assert install_pending_archive({**pending, "key": "../../elsewhere"}) is None
-    assert install_pending_archive({**pending, "key": ""}) is None
-    assert install_pending_archive(None) is None
+    elsewhere = tmp_path.parent / "someone-elses.log"
+    elsewhere.write_text("kept")
+    for bad in (
+        {**pending, "key": "../../elsewhere"},
+        {**pending, "key": ""},
+        {**pending, "dump_log": str(elsewhere)},  # a log outside the cache is never deleted
+        {**pending, "dump_path": str(tmp_path.parent / "x.jsa.part")},
+        {**pending, "cache": str(tmp_path.parent)},
+        {k: v for k, v in pending.items() if k != "dump_log"},
+        None,
+        "not a mapping",
+        ["dump_path"],
+    ):
+        assert install_pending_archive(bad) is None, bad
+    assert elsewhere.read_text() == "kept" and start.dump_path.exists()
     assert install_pending_archive(pending) == tmp_path / f"{archive_key(KEY)}-4096.jsa"
 
 

@@ -935,3 +935,18 @@ def test_the_supervisor_starts_without_importing_airflow() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_plan_without_an_optional_field_is_taken_and_one_with_an_unknown_field_is_not(tmp_path):
+    """A plan.json of a release before ``jvm_archive`` runs; one with a field nobody knows does not."""
+    from airflow_provider_torchdist.submit.spark_submit import Submission
+    from airflow_provider_torchdist.supervision.submission import submission_of
+
+    staging = stage_supervised_run(tmp_path, "plan", "#!/bin/sh\nexit 0\n", None)
+    plan = json.loads((staging / PLAN_FILE).read_text())
+    older = {k: v for k, v in plan.items() if k != "jvm_archive"}
+    assert isinstance(submission_of(staging, json.dumps(older)), Submission)
+    with pytest.raises(ValueError, match="must hold"):
+        submission_of(staging, json.dumps({**plan, "surprise": 1}))
+    with pytest.raises(ValueError, match="must hold"):
+        submission_of(staging, json.dumps({k: v for k, v in plan.items() if k != "application"}))
