@@ -169,11 +169,12 @@ SUPERVISED_PHASES = [
         "supervisor_listening",
         "spark_submit_start",
     ),
-    *DIST_PHASES[2:20],
+    *DIST_PHASES[2:17],
     (
-        "supervisor_after",
-        "supervisor: verdict; the task gets it over the lifeline and reads the value",
-        "spark_submit_end",
+        "handover",
+        "driver writes its outcome; the supervisor sees it (50 ms poll), gives the verdict; the task "
+        "reads the value (Spark's stop goes on off this path: stop_after_handover)",
+        "channel_closed",
         "done",
     ),
 ]
@@ -186,6 +187,8 @@ EXTRA_SPANS = [
     ("output_send", "rank_returned#0", "output_sent"),
     ("follower_and_outcome", "spark_submit_end", "outcome_read"),
     ("session_end", "outcome_read", "session_ended"),
+    # Off the operator's path since its verdict comes with the outcome: Spark's own stop.
+    ("stop_after_handover", "done", "spark_submit_end"),
 ]
 
 
@@ -206,7 +209,7 @@ def _variants() -> dict[str, dict[str, Any]]:
         # One start-up acceleration off at a time (the benchmarking knob of fast_start.py).
         **{
             f"distributed+{part}_off": {"mode": "--distributed", "env": {"TORCHDIST_FAST_START_OFF": part}}
-            for part in ("jvm",)
+            for part in ("jvm", "torch")
         },
     }
 
