@@ -28,15 +28,13 @@ from airflow_provider_torchdist.spark.node.rank import (
     rank_thread_count,
     run_rank,
 )
+from airflow_provider_torchdist.spark.node.rendezvous import MONITOR_INTERVAL_S
 from airflow_provider_torchdist.spark.node.rendezvous import register as register_rendezvous
 from airflow_provider_torchdist.spark.node.signed_rendezvous import register as register_signed_rendezvous
 from airflow_provider_torchdist.spark.node.signed_rendezvous import use_key
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
-
-#: The agent's poll of its ranks in a fixed-size run (torchrun's default: 0.1 s; see launch_config).
-STATIC_MONITOR_INTERVAL_S = 0.02
 
 LOOPBACK = "127.0.0.1"
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -102,17 +100,13 @@ def launch_config(
     # ranks it then forks cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess": every
     # use_gpu=True rank failed so on an H100). torch's NVML-based check answers without starting it;
     # that changes only how the question is answered, and only in the agent.
-    if NVML_CUDA_CHECK not in os.environ:
-        # The ranks put it back as the user had it (unset): see rank.restore_cuda_check.
+    if NVML_CUDA_CHECK not in os.environ:  # the ranks unset it again (rank.restore_cuda_check)
         os.environ.update({NVML_CUDA_CHECK: "1", NVML_SET_HERE: "1"})
     common: dict[str, Any] = dict(
         run_id=spec.run_id,
         role="trainer",
         max_restarts=spec.max_restarts,
-        # How soon the agent sees its ranks end. A fixed-size run's rendezvous answers locally
-        # (num_nodes_waiting is 0, no store call), so a 20 ms poll costs nothing; an elastic
-        # run's asks the driver's store each time, and keeps torchrun's 0.1 s.
-        monitor_interval=0.1 if store is not None else STATIC_MONITOR_INTERVAL_S,
+        monitor_interval=0.1 if store is not None else MONITOR_INTERVAL_S,  # elastic: torchrun's
         start_method="fork",
         rdzv_timeout=spec.rendezvous_timeout,
         rdzv_backend=register_rendezvous(),
