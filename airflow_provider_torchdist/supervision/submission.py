@@ -24,8 +24,6 @@ from airflow_provider_torchdist.supervision.config import PLAN_FILE, log
 DRIVER_PREFIX = "[torchdist] "
 #: How long teardown waits for spark-submit's thread once its session is being ended.
 KILL_WAIT_S = 30.0
-#: How a verdict without the driver's outcome starts.
-NO_OUTCOME = "The Spark application ended before the training driver reported an outcome"
 
 
 class RunProcess(Protocol):
@@ -97,7 +95,7 @@ def run_verdict(
     except (OSError, ValueError, TypeError) as exc:
         outcome, submit_error = None, submit_error or exc
     if outcome is None:
-        error = f"{NO_OUTCOME}: {submit_error}"
+        error = f"The Spark application ended before the training driver reported an outcome: {submit_error}"
         if (staging_dir / OUTCOME_FILE).with_suffix(".tmp").exists():
             error = (
                 f"The training driver could not write its outcome into the staging directory {staging_dir} "
