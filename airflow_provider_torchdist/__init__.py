@@ -1,10 +1,10 @@
 """Run a PyTorch training callable or script as a distributed job on Spark, from Airflow.
 
 Public names: :class:`TorchDistributorOperator`, :class:`TorchDistributorHook`, :func:`load_output`,
-:func:`output_origin`,
+:func:`output_origin`, :func:`torch_distributor_task` (``@task.torch_distributor``),
 and for training code :func:`report`, :func:`save_checkpoint`, :func:`load_latest_checkpoint`
 and :func:`checkpoint_dir`, :func:`stop_requested` (the run is being stopped: checkpoint and
-return), and for reading ``train_data`` in a rank :func:`rank_shard` (a
+return), :func:`set_output` (a script's rank 0 hands a value on), and for reading ``train_data`` in a rank :func:`rank_shard` (a
 memory-mapped ``pyarrow.Table``) and :func:`rank_batches` (dicts of tensors).
 They load lazily, so the Spark side (``airflow_provider_torchdist.spark``), which ships to the
 cluster inside this package, never imports Airflow.
@@ -27,7 +27,9 @@ __all__ = [
     "rank_shard",
     "report",
     "save_checkpoint",
+    "set_output",
     "stop_requested",
+    "torch_distributor_task",
 ]
 
 _LAZY = {
@@ -42,9 +44,12 @@ _LAZY = {
     "rank_shard": "airflow_provider_torchdist.spark.data.rank_data",
     "rank_batches": "airflow_provider_torchdist.spark.data.rank_data",
     "stop_requested": "airflow_provider_torchdist.spark.node.stop",
+    "set_output": "airflow_provider_torchdist.spark.node.script_output",
+    "torch_distributor_task": "airflow_provider_torchdist.decorators.torch_distributor",
 }
 
 if TYPE_CHECKING:
+    from airflow_provider_torchdist.decorators.torch_distributor import torch_distributor_task
     from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
     from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
     from airflow_provider_torchdist.outputs.results import load_output, output_origin
@@ -55,6 +60,7 @@ if TYPE_CHECKING:
         save_checkpoint,
     )
     from airflow_provider_torchdist.spark.node.metrics import report
+    from airflow_provider_torchdist.spark.node.script_output import set_output
     from airflow_provider_torchdist.spark.node.stop import stop_requested
 
 

@@ -2,7 +2,9 @@
 
 Checks, in plain words, what a run needs on this Airflow worker and says what to do about each
 missing piece: ``spark-submit``, Spark's jars (``pyspark-client`` has none), Java 17 or newer,
-torch (local mode trains here), the output signing key, and what the installed Airflow offers.
+torch (local mode trains here), the output signing key, what the installed Airflow offers, and
+the Spark connection a run would use (``spark_default``: defined or the embedded master, and for a
+standalone master whether it and its web UI answer).
 Nothing is changed: a missing signing key is reported as "made on the first run".
 
 ``doctor --connect`` checks a worker that only runs over Spark Connect (a ``spark_connect``
@@ -141,20 +143,22 @@ def _torch() -> Finding:
 
 
 def _signing_key() -> Finding:
-    from airflow_provider_torchdist.outputs.signing import _key_file
+    """Where the output signing key comes from (a variable, a command, a secrets backend,
+    airflow.cfg, the key file), and whether it will do; never the key itself."""
+    from airflow_provider_torchdist.outputs.key_sources import SigningKeyError, read_key_option
+    from airflow_provider_torchdist.outputs.signing import MIN_KEY_BYTES, _key_file
 
     try:
-        from airflow.configuration import conf
-
-        configured = conf.get("torchdist", "output_signing_key", fallback=None)
+        configured = read_key_option("output_signing_key")
+    except SigningKeyError as exc:  # a _CMD/_SECRET form that yields nothing, or fails
+        return Finding(False, "signing key", str(exc))
     except Exception as exc:  # a failing secrets backend, say
         return Finding(False, "signing key", f"[torchdist] output_signing_key cannot be read: {exc}")
-    if configured:
-        ok = len(configured.strip().encode()) >= 32
+    if configured.value:
+        where = configured.source.describe() if configured.source else "[torchdist] output_signing_key"
+        ok = len(configured.value.strip().encode()) >= MIN_KEY_BYTES
         return Finding(
-            ok,
-            "signing key",
-            "[torchdist] output_signing_key" + ("" if ok else " is shorter than 32 bytes: use a longer one."),
+            ok, "signing key", f"from {where}" + ("" if ok else ": shorter than 32 bytes, use a longer one.")
         )
     path = _key_file()
     if not path.exists():
@@ -170,7 +174,7 @@ def _signing_key() -> Finding:
             "signing key",
             f"{path} must be a regular file of this user, mode 0600: chown and chmod 600 it.",
         )
-    return Finding(True, "signing key", str(path))
+    return Finding(True, "signing key", f"from the key file {path} (this machine only)")
 
 
 def _airflow() -> Finding:
@@ -197,6 +201,15 @@ def _airflow() -> Finding:
     return Finding(True, "Airflow", f"{airflow.__version__}: task_state_store for durable reattach")
 
 
+def _spark_connection() -> Finding:
+    """The Spark connection a run would use (``spark_default``, the operator's default), resolved as
+    a run resolves it, and whether its master answers (:mod:`~.submit.connection_check`)."""
+    from airflow_provider_torchdist.submit.connection_check import check_spark_connection
+
+    ok, detail = check_spark_connection()
+    return Finding(ok, "Spark connection", detail)
+
+
 CHECKS: tuple[Callable[[], Finding], ...] = (
     _spark_submit,
     _spark_jars,
@@ -205,6 +218,7 @@ CHECKS: tuple[Callable[[], Finding], ...] = (
     _torch,
     _signing_key,
     _airflow,
+    _spark_connection,
 )
 
 
@@ -222,7 +236,12 @@ def _connect_client() -> Finding:
 
 
 #: A worker that only runs over Spark Connect: no spark-submit, jars, Java or torch here.
-CONNECT_CHECKS: tuple[Callable[[], Finding], ...] = (_connect_client, _signing_key, _airflow)
+CONNECT_CHECKS: tuple[Callable[[], Finding], ...] = (
+    _connect_client,
+    _signing_key,
+    _airflow,
+    _spark_connection,
+)
 
 
 def run_checks(connect: bool = False) -> list[Finding]:

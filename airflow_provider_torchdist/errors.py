@@ -15,6 +15,11 @@ class InvalidTrainingConfig(TorchDistributorError, ValueError):
     """An argument of the operator or hook is wrong; raised before anything runs."""
 
 
+class UnknownArgument(InvalidTrainingConfig, TypeError):
+    """An argument that the operator, the hook or ``spark_submit_kwargs`` does not take (a typo);
+    a ``TypeError`` too, as Python's own "unexpected keyword argument" is."""
+
+
 class PayloadNotPicklable(TorchDistributorError, TypeError):
     """The callable or one of its arguments cannot be pickled; raised before spark-submit."""
 

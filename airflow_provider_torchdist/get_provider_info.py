@@ -4,6 +4,71 @@ from __future__ import annotations
 
 from typing import Any
 
+#: The ``[torchdist]`` options, as Airflow's configuration reads them: declaring them is what makes
+#: ``output_signing_key`` and ``view_status_key`` sensitive, so that their ``_CMD`` and ``_SECRET``
+#: forms are resolved and ``conf.as_dict(display_sensitive=False)`` (the REST API's config
+#: endpoint) hides them. Each default is the code's fallback where it reads the option;
+#: ``tests/unit/test_get_provider_info.py`` checks that every option the code reads is here.
+CONFIG: dict[str, Any] = {
+    "torchdist": {
+        "description": "PyTorch distributed training on Spark (airflow-provider-torchdist).",
+        "options": {
+            "output_signing_key": {
+                "description": "The deployment's output signing key (at least 32 bytes): outputs are "
+                "signed with it, owners of a run derive their lifeline credential from it. The same on "
+                "every worker and triggerer. Without one, a random key is made once in "
+                "$AIRFLOW_HOME/torchdist_output_signing.key (one machine only). Set its _cmd or _secret "
+                "form to read it from a command or a secrets backend; when such a form is set but "
+                "yields nothing, tasks refuse to run.",
+                "version_added": "0.1.0",
+                "type": "string",
+                "example": "(64 hex characters: python -c 'import secrets; print(secrets.token_hex(32))')",
+                "default": None,
+                "sensitive": True,
+            },
+            "view_status_key": {
+                "description": "What the API server's Training view asks running supervisors for their "
+                "status with: a key derived from output_signing_key for status queries only "
+                "(python -m airflow_provider_torchdist status-key prints it). It cannot stop, follow "
+                "or fetch a run, nor sign outputs. Unset, the view derives it from output_signing_key "
+                "if the API server has that.",
+                "version_added": "0.1.0",
+                "type": "string",
+                "example": None,
+                "default": None,
+                "sensitive": True,
+            },
+            "lifeline_host": {
+                "description": "Where each run's supervisor listens for its owners (the task, the "
+                "trigger, a durable retry). On loopback (the default) it is a unix socket in the run's "
+                "private staging directory, which other users cannot connect to. Keep it on loopback "
+                "unless triggerers or retries run on other machines.",
+                "version_added": "0.1.0",
+                "type": "string",
+                "example": "10.0.0.5",
+                "default": "127.0.0.1",
+            },
+            "view_lifeline_hosts": {
+                "description": "Comma-separated hosts, besides lifeline_host, whose supervisors may be "
+                "connected to: the Training view (a live run's history), the trigger, execute_complete "
+                "and a retry (workers on other machines). A run record naming any other host is refused.",
+                "version_added": "0.1.0",
+                "type": "string",
+                "example": "10.0.0.12, worker-2",
+                "default": "",
+            },
+            "supervisor_start": {
+                "description": "How a run's supervisor starts: fork (from the task's process, fast) or "
+                "exec (a new interpreter, for libraries that do not survive a fork).",
+                "version_added": "0.1.0",
+                "type": "string",
+                "example": "exec",
+                "default": "fork",
+            },
+        },
+    }
+}
+
 
 # size: one literal, the provider metadata Airflow reads; splitting it would hide its shape.
 def get_provider_info() -> dict[str, Any]:
@@ -102,8 +167,17 @@ def get_provider_info() -> dict[str, Any]:
             "airflow_provider_torchdist.links.SparkMasterAppLink",
             "airflow_provider_torchdist.links.SparkHistoryServerLink",
         ],
+        # @task.torch_distributor: Airflow's ``task`` object finds it here.
+        "task-decorators": [
+            {
+                "name": "torch_distributor",
+                "class-name": "airflow_provider_torchdist.decorators.torch_distributor.torch_distributor_task",
+            }
+        ],
         # The "Training" tab on task instance pages and its JSON endpoint (Airflow 3.1+ external views).
         "plugins": [
             {"name": "torchdist", "plugin-class": "airflow_provider_torchdist.ui.plugin.TorchdistPlugin"}
         ],
+        # The [torchdist] options (above).
+        "config": CONFIG,
     }

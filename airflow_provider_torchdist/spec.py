@@ -267,6 +267,16 @@ class TrainingSpec:
         templated=True,
         check="train_data",
     )
+    train_data_args: dict[str, Any] = setting(
+        {},
+        "values for the ``:name`` parameters of a ``train_data`` query, bound by Spark "
+        "(``spark.sql(query, args=...)``), never spliced into its text: "
+        '``train_data="SELECT * FROM t WHERE day = :day"``, ``train_data_args={"day": "{{ ds }}"}``. '
+        "Strings, numbers, booleans or None. Put anything from ``params`` or ``dag_run.conf`` here, "
+        "not in the query.",
+        templated=True,
+        check="sql_args",
+    )
     train_data_shuffle_seed: int | None = setting(
         None,
         "with ``train_data``: deal the rows to the ranks in a seeded order instead of the query's "

@@ -1,4 +1,5 @@
-"""Render ``bench/results/latest.json``: every figure in ``docs/benchmarks.md``, a summary in the README.
+"""Render ``bench/results/latest.json``: every figure in ``docs/benchmarks.md``, a summary in the README,
+and the figures other pages quote between ``<!-- figure: ... -->`` markers (:mod:`figures`).
 
 Both go between the markers. ``python bench/report.py`` re-renders them; every benchmark script
 calls :func:`render_docs` after writing its section. Hand-written findings in ``bench/notes.md``,
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from common import BENCH, REPO, load_results
+from figures import render_pages
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 NOTES = BENCH / "notes.md"
@@ -20,10 +22,12 @@ DOC = REPO / "docs" / "benchmarks.md"
 
 
 def render_docs() -> None:
-    """Re-render the full results in ``docs/benchmarks.md`` and their summary in the README."""
+    """Re-render the full results in ``docs/benchmarks.md``, their summary in the README, and the
+    figures the other pages quote (:mod:`figures`)."""
     results = load_results()
     _write_between_markers(DOC, render(results))
     _write_between_markers(README, render_summary(results))
+    render_pages(REPO, results)
 
 
 def _write_between_markers(path: Path, body: str) -> None:
@@ -350,7 +354,8 @@ LAUNCH_SETTINGS = [
     "Every worker it forks starts with torch loaded, so the barrier tasks no longer import it each on their own, "
     "at the same time on the same cores (worker start to launcher ready: 2.15 s before, 1.87 s after).",
     "- **The verdict with the outcome.** The run's supervisor gives the task its verdict and rank 0's value "
-    "once the driver's outcome is written, before `SparkContext.stop`, the driver's and the JVM's exits (0.5 s), "
+    "once the driver's outcome is written, before `SparkContext.stop`, the driver's and the JVM's exits (the last "
+    "three phases of the distributed profile above), "
     "and waits for spark-submit's end by itself (docs/run-lifetime.md).",
     "- **Kept:** torchrun's elastic agent in-process (restarts, error files, its worker environment), the "
     "Spark UI (the operator links to it; the `ui_off` profile variant shows what turning it off would save).",

@@ -67,9 +67,11 @@ def example_torchdist():
     )
 
     @task
-    def evaluate(value, run_id=None) -> dict:
-        # Rank 0's dict, tensors included; refused unless it was signed for this DAG run.
-        result = load_output(value, expect={"run_id": run_id})
+    def evaluate(value, dag_run=None) -> dict:
+        # Rank 0's dict, tensors included; refused unless it was signed for this DAG run's train
+        # task: an envelope copied into this XCom from another DAG, run or task never unpickles.
+        expect = {"dag_id": dag_run.dag_id, "run_id": dag_run.run_id, "task_id": "train"}
+        result = load_output(value, expect=expect)
         weight = result["state_dict"]["weight"].item()
         summary = {
             "rank": result["rank"],

@@ -151,11 +151,13 @@ def retrain_pipeline():
     )
 
     @task
-    def evaluate(value: Any, data_path: str) -> dict[str, Any]:
+    def evaluate(value: Any, data_path: str, dag_run: Any = None) -> dict[str, Any]:
         """Score the candidate and the current model on this run's validation split."""
         import torch
 
-        result = load_output(value)  # rank 0's dict, state_dict tensors included
+        # Rank 0's dict, state_dict tensors included; only if signed for this run's train task.
+        expect = {"dag_id": dag_run.dag_id, "run_id": dag_run.run_id, "task_id": "train"}
+        result = load_output(value, expect=expect)
         history = get_current_context()["ti"].xcom_pull(task_ids="train", key="metrics")
         reported_loss = history[-1]["loss"]
         if abs(reported_loss - result["loss"]) > 1e-6:

@@ -25,7 +25,9 @@ from airflow_provider_torchdist.spec import (
     settings_for,
     signature_of,
 )
-from airflow_provider_torchdist.submit.checks import build_spec
+from airflow_provider_torchdist.submit.argument_names import unknown_arguments
+from airflow_provider_torchdist.submit.checks import SUBMIT_KWARGS_EXTRAS, build_spec
+from airflow_provider_torchdist.submit.plan import submit_hook_arguments
 
 #: The settings the hook takes (the operator's less how outputs travel through XCom).
 HOOK_SETTINGS = settings_for(RUN, SUBMIT)
@@ -91,5 +93,17 @@ def spec_from_arguments(
             raise InvalidTrainingConfig(f"{', '.join(named)} {why}")
     given = {"num_processes": num_processes, "local_mode": local_mode, "use_gpu": use_gpu}
     submit_kwargs = {k: settings.pop(k) for k in list(settings) if k not in SETTINGS}
+    # A keyword is a SparkSubmitHook argument only if it is one: a typo is the hook's own unknown
+    # argument, named with the closest name, not blamed on a spark_submit_kwargs nobody passed.
+    taken = submit_hook_arguments() | SUBMIT_KWARGS_EXTRAS
+    if unknown := sorted(set(submit_kwargs) - taken):
+        raise unknown_arguments(
+            "TorchDistributorHook",
+            unknown,
+            {*HOOK_SETTINGS, *taken, "spec"},
+            hint="It takes the settings in docs/reference.md (not those of XCom, a run's lifetime or "
+            "OpenLineage) and SparkSubmitHook's arguments.",
+            list_known=False,
+        )
     submit_kwargs.update(settings.pop("spark_submit_kwargs", None) or {})
     return build_spec(**given, **settings, spark_submit_kwargs=submit_kwargs)

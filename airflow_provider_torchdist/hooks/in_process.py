@@ -67,7 +67,7 @@ def raise_for_outcome(
         ) from submit_error
     if not outcome.ok:
         raise TrainingFailed(outcome.failures, outcome.error)
-    if staged.spec.kind == "callable" and not staged.output_path.exists():
+    if not staged.output_path.exists():  # a script's rank 0 sends one too (set_output, or None)
         raise SparkSubmitFailed("Training succeeded but rank 0's return value never reached the driver.")
 
 

@@ -77,7 +77,7 @@ class SupervisedRunsMixin:
             task=task,
         )
         self.staged = None  # the supervisor's now: it removes it when the run ends
-        if self.target.is_connect and (session_id := planned_session_id(self.target.connect_url or "")):
+        if self.target.is_connect and (session_id := planned_session_id(self.plan.connection["url"])):
             record = record.with_session(session_id)  # where its job goes: a lost run's is interrupted there
         self.record = record
         try:
@@ -122,7 +122,7 @@ class SupervisedRunsMixin:
         since: int = 0,
         wait_for_teardown: bool = False,
     ) -> T:
-        """Own the run to its end, then hand ``handle`` rank 0's output file (None for a script).
+        """Own the run to its end, then hand ``handle`` rank 0's output file (a script's holds what it passed to ``set_output``).
 
         The run's log lines go to this hook's log (the kept ones from line ``since`` on first, when
         this is a new owner), its application to ``on_application``, its metrics to ``metrics`` (the

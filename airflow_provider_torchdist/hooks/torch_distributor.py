@@ -65,7 +65,6 @@ class TorchDistributorHook(SupervisedRunsMixin, BaseHook):
     pass a ready ``spec=`` (:func:`~airflow_provider_torchdist.submit.checks.build_spec`).
 
     :param spec: a ready, validated spec instead of the settings as keywords.
-    :param settings: the settings as keywords, and any other keyword: a ``SparkSubmitHook`` argument.
 
     Example::
 
@@ -134,7 +133,8 @@ class TorchDistributorHook(SupervisedRunsMixin, BaseHook):
     # -- running ------------------------------------------------------------------------------
 
     def run(self, train_object: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
-        """Train, and return global rank 0's return value (None for a script).
+        """Train, and return global rank 0's return value (a script's: what its rank 0 passed to
+        ``set_output``, else None).
 
         This library path decodes rank 0's value here, unpickling it when it is not JSON: its
         caller is the one who ran the training, on this machine, so nothing in between could have
@@ -152,12 +152,12 @@ class TorchDistributorHook(SupervisedRunsMixin, BaseHook):
         kwargs: dict[str, Any] | None,
         handle: Callable[[Path | None], T],
     ) -> T:
-        """Train, then hand ``handle`` the file holding rank 0's encoded value (None for a script)
+        """Train, then hand ``handle`` the file holding rank 0's encoded value
         before the staging directory goes: large outputs are streamed on, never loaded whole."""
         staged = self._prepare(train_object, args, kwargs)
         try:
             self._submit(self.plan, staged)
-            return handle(staged.output_path if staged.spec.kind == "callable" else None)
+            return handle(staged.output_path)  # a script's too: what it set_output() (or None)
         finally:
             self._stop_session()
             staged.cleanup()

@@ -22,6 +22,7 @@ from airflow_provider_torchdist.operators.xcom import (
     link_pusher,
     metrics_pusher,
     output_handler,
+    push_checkpoint_dir,
     push_world_sizes,
 )
 from airflow_provider_torchdist.spec import TrainingSpec
@@ -244,6 +245,7 @@ class SupervisedRunMixin(ResumableJobMixin):
             self.log.warning("Run %s is past its execution_timeout: stopping it.", record.run_id)
             self._end_timed_out(record)
             raise timeout_error(record.run_id, deadline, "before this try could take it over")
+        push_checkpoint_dir(ti, hook.spec)  # on every path that owns the run: after a deferral too
         hook.on_application = link_pusher(ti)
         if (store := context.get("task_state_store")) is not None:
             hook.on_operation = lambda operation: self._record_operation(store, record, operation)

@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from airflow.providers.common.compat.sdk import BaseOperator
+from airflow.providers.common.compat.sdk import BaseOperator, XComArg
 from airflow.providers.common.compat.sdk import conf as airflow_conf
 
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
@@ -36,8 +36,12 @@ from airflow_provider_torchdist.spec import (
     signature_of,
     templated_settings,
 )
+from airflow_provider_torchdist.submit.argument_names import refuse_unknown_operator_arguments
 from airflow_provider_torchdist.submit.checks import build_spec, check_settings
+from airflow_provider_torchdist.submit.local_cores import warn_at_parse
 from airflow_provider_torchdist.submit.preflight import check_output_path
+from airflow_provider_torchdist.submit.script_args import script_argv
+from airflow_provider_torchdist.submit.script_flags import script_flags
 from airflow_provider_torchdist.submit.validation import check_args, check_train_object, is_template
 from airflow_provider_torchdist.supervision.deadline import (
     TRIGGER_TIMEOUT_MARGIN_S,
@@ -76,11 +80,16 @@ class TorchDistributorOperator(SupervisedRunMixin, BaseOperator):
         evaluate(train.output)
 
     The value in XCom is the return value itself when it is plain JSON, else an envelope that
-    :func:`airflow_provider_torchdist.load_output` decodes; a script returns None.
+    :func:`airflow_provider_torchdist.load_output` decodes. A script's rank 0 hands on a value with
+    :func:`airflow_provider_torchdist.set_output` (None if it never calls it). The run's checkpoint
+    directory is pushed too, under the key ``checkpoint_dir``.
 
     :param train_object: a callable, or the path of a ``.py`` training script on the worker.
     :param args: positional arguments of the callable, or a script's command-line arguments.
-    :param kwargs: keyword arguments of the callable (stored and templated as ``train_kwargs``).
+    :param kwargs: keyword arguments of the callable, or a script's command-line flags after
+        ``args`` (``{"epochs": 3, "amp": True}`` gives ``--epochs 3 --amp``; see
+        :mod:`~airflow_provider_torchdist.submit.script_flags`). Stored and templated as
+        ``train_kwargs``.
     """
 
     # ``kwargs`` cannot be a template field: Airflow 3 refuses to serialize a DAG whose operator
@@ -89,7 +98,12 @@ class TorchDistributorOperator(SupervisedRunMixin, BaseOperator):
     # (``_do_render_template_fields``, which a mapped task reaches without any override of ours),
     # and a training callable is the work itself. Only a script path renders, as ``train_script``.
     template_fields: Sequence[str] = ("train_script", "train_args", "train_kwargs", *templated_settings())
-    template_fields_renderers = {"conf": "json", "train_kwargs": "json", "train_args": "json"}
+    template_fields_renderers = {
+        "conf": "json",
+        "train_kwargs": "json",
+        "train_args": "json",
+        "train_data_args": "json",
+    }
     ui_color = "#ee4c2c"
     operator_extra_links = (SparkUILink(), SparkMasterAppLink(), SparkHistoryServerLink())
 
@@ -101,6 +115,8 @@ class TorchDistributorOperator(SupervisedRunMixin, BaseOperator):
         kwargs: dict[str, Any] | None = None,
         **base_kwargs: Any,
     ) -> None:
+        # A typo fails the DAG import naming the closest argument, not as BaseOperator's **kwargs.
+        refuse_unknown_operator_arguments(type(self), base_kwargs, base_kwargs.get("task_id"))
         settings = {name: base_kwargs.pop(name) for name in list(base_kwargs) if name in SETTINGS}
         super().__init__(**base_kwargs)
         self.train_callable: Callable[..., Any] | None = None
@@ -111,6 +127,7 @@ class TorchDistributorOperator(SupervisedRunMixin, BaseOperator):
         # Bad values fail the DAG import with a message naming the field, not the run at 3 a.m.
         for name, value in check_settings(settings, at_parse_time=True).items():
             setattr(self, name, value)
+        warn_at_parse(self.local_mode, self.num_processes)  # more local ranks than cores
         if self.deferrable is None:
             self.deferrable = airflow_conf.getboolean("operators", "default_deferrable", fallback=False)
         for name, option in OPENLINEAGE_DEFAULTS.items():
@@ -132,19 +149,37 @@ class TorchDistributorOperator(SupervisedRunMixin, BaseOperator):
         trailing=[inspect.Parameter("base_kwargs", inspect.Parameter.VAR_KEYWORD)],
     )
 
+    @classmethod
+    def partial(cls, **kwargs: Any) -> Any:
+        """``BaseOperator.partial``, with a typo named as the constructor names one (Airflow's own
+        check says only "unexpected keyword argument")."""
+        refuse_unknown_operator_arguments(cls, kwargs, kwargs.get("task_id"))
+        return super().partial(**kwargs)
+
     def _check_work(self, at_parse_time: bool) -> None:
         """The callable or script and its arguments; a template is checked after rendering."""
 
         def ready(value: Any) -> bool:
             return not (at_parse_time and is_template(value))
 
+        def lazy(value: Any) -> bool:
+            return at_parse_time and isinstance(value, XComArg)
+
         if ready(self.train_object):
             self.train_object = check_train_object(self.train_object)
         # A string that is not a template renders to itself, never to a list or dict.
         if ready(self.train_args):
             check_args(self.train_args, "args", list)
+            if not callable(self.train_object):  # a script's args are its command line
+                script_argv(
+                    [a for a in self.train_args or () if ready(a)], lazy=(XComArg,) if at_parse_time else ()
+                )
         if ready(self.train_kwargs):
-            check_args(self.train_kwargs, "kwargs", dict)
+            kwargs = check_args(self.train_kwargs, "kwargs", dict)
+            if not callable(self.train_object):
+                # A script's kwargs are its flags: a key or value no flag can carry fails the DAG
+                # import. Templates and upstream values are checked once rendered (staging).
+                script_flags({k: v for k, v in kwargs.items() if ready(v) and not lazy(v)})
 
     def training_spec(self, context: Any = None) -> TrainingSpec:
         """The spec of this task's run, from its rendered settings; with ``context``, the default
@@ -189,8 +224,8 @@ class TorchDistributorOperator(SupervisedRunMixin, BaseOperator):
         push_link_placeholders(context["ti"])
         self._check_work(at_parse_time=False)
         self._hook = self.make_hook(context)
-        if callable(self.train_object):  # a script returns None: nothing is ever stored
-            check_output_path(run_paths.output_base(self._hook.spec.output_path))
+        # Scripts too: a script's rank 0 may set_output() a value as large as any return value.
+        check_output_path(run_paths.output_base(self._hook.spec.output_path))
         if self.deferrable:
             check_deferral(
                 self._hook.embedded,

@@ -1,6 +1,6 @@
 """What the operator puts in XCom while it owns a run: the extra links' URLs as soon as the driver
-reports them, the metric history as it grows, the world sizes once it has succeeded, and rank 0's
-output as the task's value.
+reports them, the run's checkpoint directory, the metric history as it grows, the world sizes once
+it has succeeded, and rank 0's output as the task's value.
 
 :func:`link_pusher` is the hook's ``on_application`` for a task instance; :func:`metrics_pusher`
 makes its ``on_metrics`` (a :class:`ThrottledPush`); :func:`output_handler` is what the hook's
@@ -21,6 +21,7 @@ from airflow_provider_torchdist.links import LINK_XCOM_KEYS, ApplicationLinks
 from airflow_provider_torchdist.outputs import run_paths
 from airflow_provider_torchdist.outputs.results import origin_of, output_to_xcom
 from airflow_provider_torchdist.spec import TrainingSpec
+from airflow_provider_torchdist.submit.validation import checkpoint_dir_path
 from airflow_provider_torchdist.supervision.lifeline.run_state import newest_that_fit
 
 #: XCom key of the list of ``report()`` records: ``[{"rank": 0, "step": 3, "time": ..., "loss": 0.12}, ...]``.
@@ -28,6 +29,9 @@ METRICS_XCOM_KEY = "metrics"
 #: XCom key of how the world size went over a succeeded run:
 #: ``[{"time": 1767225600.1, "world_size": 4, "reason": "start"}, ...]`` (see ``hook.world_sizes``).
 WORLD_SIZES_XCOM_KEY = "world_sizes"
+#: XCom key of the run's checkpoint directory, an absolute local path (``checkpoint_dir``, or this
+#: task's default), pushed before the run is followed, so a downstream task need not rebuild it.
+CHECKPOINT_DIR_XCOM_KEY = "checkpoint_dir"
 #: The shortest time between two pushes of the growing metric history while a run trains.
 METRICS_PUSH_INTERVAL_S = 1.0
 
@@ -148,6 +152,13 @@ def push_world_sizes(ti: Any, world_sizes: list[dict[str, Any]]) -> None:
     """Push a succeeded run's world sizes to ``ti``'s XCom ``world_sizes``: one entry for a fixed
     world, one more per change for an elastic run (which of its nodes it lost or took in, when)."""
     ti.xcom_push(key=WORLD_SIZES_XCOM_KEY, value=list(world_sizes))
+
+
+def push_checkpoint_dir(ti: Any, spec: TrainingSpec) -> None:
+    """Push the run's checkpoint directory (the plain path the ranks' ``checkpoint_dir()`` gives)
+    to ``ti``'s XCom ``checkpoint_dir``; nothing when the run has none."""
+    if spec.checkpoint_dir:
+        ti.xcom_push(key=CHECKPOINT_DIR_XCOM_KEY, value=checkpoint_dir_path(spec.checkpoint_dir))
 
 
 def output_handler(ti: Any, spec: TrainingSpec) -> Callable[[Path | None], Any]:

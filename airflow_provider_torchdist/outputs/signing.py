@@ -1,10 +1,15 @@
 """The deployment's output signing key, and HMAC-SHA256 over a canonical encoding.
 
 The key is ``[torchdist] output_signing_key`` in Airflow's configuration (so also the
-``AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY`` variable, its ``_CMD`` and ``_SECRET`` forms, or a
-secrets backend). Without one, a random key is created once in
-``$AIRFLOW_HOME/torchdist_output_signing.key``, which serves an embedded deployment whose processes
-share ``AIRFLOW_HOME``. Deployments on several machines must configure the same key on every worker.
+``AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY`` variable, its ``_CMD`` and ``_SECRET`` forms, a
+secrets backend: :mod:`.key_sources`; a form that is set but yields nothing is refused). Without
+one, a random key is created once in ``$AIRFLOW_HOME/torchdist_output_signing.key``, which serves
+an embedded deployment whose processes share ``AIRFLOW_HOME``. Deployments on several machines must
+configure the same key on every worker.
+
+The Training view's API server needs less: :func:`view_status_key`, derived from the key for status
+queries only (``[torchdist] view_status_key``, printed by ``python -m airflow_provider_torchdist
+status-key``), cannot sign outputs nor own a run.
 
 Rules, each refused with a message that says how to fix it:
 
@@ -27,16 +32,24 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from airflow_provider_torchdist.outputs.key_sources import SigningKeyError, read_key_option
+
+__all__ = [
+    "SigningKeyError",
+    "canonical",
+    "sign",
+    "signing_key",
+    "status_view_key",
+    "verify",
+    "view_status_key",
+]
+
 KEY_FILE = "torchdist_output_signing.key"
 MIN_KEY_BYTES = 32
 _HOW_TO_SET = (
     "Set [torchdist] output_signing_key to at least 32 random bytes on every Airflow worker, e.g. "
     "AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY=$(python -c 'import secrets; print(secrets.token_hex(32))')"
 )
-
-
-class SigningKeyError(ValueError):
-    """The signing key is missing, too short, or its file is not private to this user."""
 
 
 def _key_file() -> Path:
@@ -47,11 +60,10 @@ def signing_key(create: bool = True) -> bytes:
     """This deployment's output signing key (see the module docstring for where it comes from).
     ``create=False``: a machine that only checks (the API server) never makes a key of its own,
     which could not match the workers'; it gets :class:`SigningKeyError` instead."""
-    from airflow.configuration import conf
-
-    configured = conf.get("torchdist", "output_signing_key", fallback=None)
-    if configured:
-        return _long_enough(configured.strip().encode(), "[torchdist] output_signing_key")
+    configured = read_key_option("output_signing_key")
+    if configured.value:
+        where = configured.source.name if configured.source else "[torchdist] output_signing_key"
+        return _long_enough(configured.value.strip().encode(), where)
     path = _key_file()
     try:
         return _read_key_file(path)
@@ -128,3 +140,38 @@ def sign(key: bytes, fields: list[Any]) -> str:
 def verify(key: bytes, fields: list[Any], signature: str) -> bool:
     """True when ``signature`` is :func:`sign` of ``fields`` under ``key``."""
     return hmac.compare_digest(sign(key, fields), signature)
+
+
+#: What :func:`status_view_key` derives with: no other key of this provider uses it.
+STATUS_VIEW_DOMAIN = b"torchdist-status-view"
+
+
+def status_view_key(key: bytes) -> bytes:
+    """The status-only key derived from the output signing key ``key``: what
+    ``[torchdist] view_status_key`` holds (hex). It lets the Training view query runs' status
+    (:func:`~airflow_provider_torchdist.supervision.record.status_secret`) and nothing else: the
+    signing key cannot be recovered from it."""
+    return hmac.new(key, STATUS_VIEW_DOMAIN, hashlib.sha256).digest()
+
+
+def view_status_key() -> bytes | None:
+    """What the Training view asks supervisors for status with: ``[torchdist] view_status_key``
+    when set (refused unless it is the 64 hex characters ``status-key`` prints), else derived from
+    this machine's output signing key if it has one (never made here); None when neither."""
+    configured = read_key_option("view_status_key")
+    if configured.value:
+        try:
+            key = bytes.fromhex(configured.value.strip())
+        except ValueError:
+            key = b""
+        if len(key) != 32:
+            where = configured.source.name if configured.source else "[torchdist] view_status_key"
+            raise SigningKeyError(
+                f"{where} must be the 64 hex characters that `python -m airflow_provider_torchdist "
+                "status-key` prints on a worker (it has the output signing key)."
+            )
+        return key
+    try:
+        return status_view_key(signing_key(create=False))
+    except (SigningKeyError, OSError):
+        return None

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
 from airflow_provider_torchdist.spec import SETTINGS, TrainingSpec
+from airflow_provider_torchdist.submit.argument_names import unknown_arguments
 from airflow_provider_torchdist.submit.stop_settings import check_grace_period, check_stop_signal
 from airflow_provider_torchdist.submit.validation import (
     check_bool,
@@ -98,6 +100,48 @@ def _train_data(value: Any, name: str) -> Any:
     )
 
 
+#: A Spark SQL named parameter (``:day``): an identifier.
+_PARAMETER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _sql_args(value: Any, name: str) -> dict[str, Any]:
+    """Values for a query's ``:name`` parameters: JSON-native scalars (the spec travels as JSON, and
+    Spark binds each as a literal of its type)."""
+    args = _str_dict(value, name)
+    bad_names = [k for k in args if not _PARAMETER_NAME.fullmatch(k)]
+    if bad_names:
+        raise InvalidTrainingConfig(
+            f"{name} keys must be parameter names (letters, digits, _; the query writes :name), got {bad_names!r}"
+        )
+    bad = {k: v for k, v in args.items() if v is not None and type(v) not in (str, int, float, bool)}
+    if bad:
+        raise InvalidTrainingConfig(
+            f"{name} values must be strings, numbers, booleans or None, which Spark binds as literals; "
+            f"got {', '.join(f'{k}={type(v).__name__}' for k, v in bad.items())}. Convert dates and "
+            "the like to strings and cast them in the query (DATE(:day))."
+        )
+    return args
+
+
+def _args_need_a_query(train_data: Any, args: dict[str, Any]) -> None:
+    """``train_data_args`` bind a query's parameters: a table name or a callable has none."""
+    from airflow_provider_torchdist.spark.data.shard_plan import is_table_name
+
+    if isinstance(train_data, str) and not is_table_name(train_data):
+        return
+    what = (
+        "not set"
+        if train_data is None
+        else "a callable (bind values in it: spark.sql(query, args=...))"
+        if callable(train_data)
+        else f"the table name {train_data!r}"
+    )
+    raise InvalidTrainingConfig(
+        f"train_data_args {sorted(args)} bind the :name parameters of a train_data query, but train_data "
+        f'is {what}. Give a query ("SELECT ... WHERE day = :day") or drop train_data_args.'
+    )
+
+
 def _optional_non_negative_int(value: Any, name: str) -> int | None:
     return None if value is None or value == "" else check_int(value, name, minimum=0)
 
@@ -116,17 +160,18 @@ def _optional_dir(check: Callable[[Any], Any]) -> Callable[[Any, str], Any]:
     return run
 
 
+#: What ``spark_submit_kwargs`` takes besides ``SparkSubmitHook``'s own arguments.
+SUBMIT_KWARGS_EXTRAS = frozenset({"properties_file", "fast_jvm_start", "py_files"})
+
+
 def _submit_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Only ``SparkSubmitHook``'s own arguments: a misspelled one fails when the DAG is parsed."""
     from airflow_provider_torchdist.submit.plan import submit_hook_arguments
 
-    allowed = submit_hook_arguments() | {"properties_file", "fast_jvm_start", "py_files"}
+    allowed = submit_hook_arguments() | SUBMIT_KWARGS_EXTRAS
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
-        raise InvalidTrainingConfig(
-            f"spark_submit_kwargs has {', '.join(map(repr, unknown))}, which SparkSubmitHook does not take. "
-            f"It takes: {', '.join(sorted(allowed))}."
-        )
+        raise unknown_arguments("spark_submit_kwargs (SparkSubmitHook's arguments)", unknown, allowed)
     return kwargs
 
 
@@ -147,6 +192,7 @@ CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "str_list": _str_list,
     "log_ranks": _log_ranks,
     "train_data": _train_data,
+    "sql_args": _sql_args,
     "optional_non_negative_int": _optional_non_negative_int,
     "submit_kwargs": lambda v, n: _submit_kwargs(_str_dict(v, n)),
     "checkpoint_dir": _optional_dir(checkpoint_dir_path),
@@ -217,6 +263,8 @@ def _check_together(s: dict[str, Any], at_parse_time: bool) -> None:
             "rank's shard is cut for one world size, and it cannot follow a resize. Use a fixed "
             "num_processes with train_data, or read the data in the training function."
         )
+    if ready("train_data", "train_data_args") and s["train_data_args"]:
+        _args_need_a_query(s["train_data"], s["train_data_args"])
     if ready("log_ranks", "num_processes") and s["log_ranks"] != "all":
         # An elastic run's ranks are 0..MAX-1 at its largest: a rank it may reach is a fair choice.
         most = world_size_bounds(s["num_processes"])[1]

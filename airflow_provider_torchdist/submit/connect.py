@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import ipaddress
 import logging
 import os
 import signal
@@ -30,7 +31,11 @@ from airflow_provider_torchdist.spark.connect.driver import CHANNEL_HOST_ENV, UR
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.parent_death import signal_on_parent_death
 from airflow_provider_torchdist.spec import TrainingSpec
-from airflow_provider_torchdist.submit.connection import CONNECT_CONN_TYPE, SparkTarget
+from airflow_provider_torchdist.submit.connection import (
+    CONNECT_CONN_TYPE,
+    TRUSTED_NETWORK_EXTRA,
+    SparkTarget,
+)
 from airflow_provider_torchdist.submit.plan import SubmitPlan
 from airflow_provider_torchdist.submit.spark_submit import CONNECT_CLIENT_ENV, Submission
 from airflow_provider_torchdist.submit.staging import SPARK_ZIP
@@ -71,6 +76,7 @@ def check_connect_run(
             "missing, or a parameter such as the token holds a '/', which the URL cannot carry): check its "
             "host, and use a token without '/'."
         )
+    check_connect_transport(spec, target)
     try:
         with socket.create_connection((url.hostname or "", url.port or 15002), timeout=timeout):
             return
@@ -80,6 +86,41 @@ def check_connect_run(
             f"so nothing was started. Check that the server is running and that the connection "
             f"{spec.conn_id!r} names its host and port (sc://host:15002), reachable from this worker."
         ) from None
+
+
+def connect_is_private(url: str) -> bool:
+    """Does pyspark's client keep the job's plan private on its way to the server at ``url``
+    (``sc://host:port/;params``)? It does with TLS (``use_ssl=true``, or a ``token``, which pyspark
+    sends over TLS, or to ``localhost`` over gRPC's local credentials, loopback only), and over
+    loopback, where no network carries it."""
+    parsed = urlparse(url.replace("sc://", "http://", 1))
+    params = dict(p.partition("=")[::2] for p in url.partition("/;")[2].split(";") if p)
+    if params.get("use_ssl", "").lower() == "true" or params.get("token"):
+        return True
+    host = parsed.hostname or ""
+    with contextlib.suppress(ValueError):
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    return False
+
+
+def check_connect_transport(spec: TrainingSpec, target: SparkTarget) -> None:
+    """Refuse, before anything starts, an elastic run over a Connect channel without TLS to a server
+    off this machine, unless the connection says its network is trusted.
+
+    Over Connect every node's claim secret and the run's token travel inside the job's plan: who
+    reads the plan on the way can claim an elastic run's nodes (a fixed-size run stops at a second
+    claim of a node; an elastic one must take lost nodes back)."""
+    if not spec.elastic or target.connection.get("trusted_network"):
+        return
+    if connect_is_private(target.connect_url or ""):
+        return
+    raise InvalidTrainingConfig(
+        f"an elastic num_processes={spec.num_processes!r} over the Spark Connect connection {spec.conn_id!r} "
+        f"({target.master}) would send its nodes' claim credentials, inside the job's plan, unencrypted: "
+        "turn on TLS (the connection's extra use_ssl: true, with a server that serves TLS), or, where "
+        f"the network between this worker and the server is trusted, set the connection's extra "
+        f'"{TRUSTED_NETWORK_EXTRA}": true. A fixed num_processes needs neither.'
+    )
 
 
 #: How long a retry waits for the server to interrupt a lost run's job (pyspark would retry an
@@ -134,8 +175,7 @@ def interrupt_lost_run(
             closed = "SESSION_CLOSED" in str(exc) or "SESSION_CHANGED" in str(exc)
             answer.append([] if closed else exc)  # a closed session's jobs ended with it
         finally:
-            with contextlib.suppress(Exception):
-                spark.client.close()  # not stop(): the session is shared with this user's other runs
+            _leave_session(spark, url, session_id)
 
     worker = threading.Thread(target=interrupt, daemon=True, name="torchdist-interrupt-lost-run")
     worker.start()
@@ -145,6 +185,18 @@ def interrupt_lost_run(
     if isinstance(answer[0], BaseException):
         raise answer[0]
     return answer[0]
+
+
+def _leave_session(spark: Any, url: str, session_id: str) -> None:
+    """After the interrupt: release the lost run's own session (nothing else would before the
+    server's idle timeout); only close the client in a session the connection names (the user's)."""
+    from airflow_provider_torchdist.spark.connect.sessions import planned_session_id, release_session
+
+    if planned_session_id(url) == session_id:
+        with contextlib.suppress(Exception):
+            spark.client.close()
+    else:
+        release_session(spark)
 
 
 def submission_for(plan: SubmitPlan) -> Submission | ConnectSubmission:

@@ -41,6 +41,10 @@ CONNECT_CONN_TYPE = "spark_connect"
 #: Connection extra of a ``spark_connect`` connection: the address of the Airflow worker that the
 #: server's executors reach (default: this machine's address on the route to the server's driver).
 CHANNEL_HOST_EXTRA = "channel-host"
+#: Connection extra of a ``spark_connect`` connection: ``true`` says the network between this
+#: worker and the server is trusted, so an elastic run may go over it without TLS (see
+#: :func:`~airflow_provider_torchdist.submit.connect.check_connect_transport`).
+TRUSTED_NETWORK_EXTRA = "trusted-network"
 #: Connection extra: a directory that the driver and every node of the cluster mount at this path
 #: (NFS, Lustre, ...), writable by the executors' user. ``train_data``'s rows then go through it, as
 #: files, instead of through Spark's shuffle (``spark.torchdist.trainData.sharedDir``; a run's
@@ -150,10 +154,16 @@ def connect_target(conn_id: str) -> SparkTarget:
 
     hook = SparkConnectHook(conn_id=conn_id)
     url = hook.get_connection_url()
-    channel_host = hook.get_connection(conn_id).extra_dejson.get(CHANNEL_HOST_EXTRA)
+    extra = hook.get_connection(conn_id).extra_dejson
+    trusted = str(extra.get(TRUSTED_NETWORK_EXTRA, "")).strip().lower() in ("true", "1", "yes")
     return SparkTarget(
         master=url.split("/;", 1)[0],  # without the token: what the log and the checks may show
-        connection={"conn_type": CONNECT_CONN_TYPE, "url": url, "channel_host": channel_host},
+        connection={
+            "conn_type": CONNECT_CONN_TYPE,
+            "url": url,
+            "channel_host": extra.get(CHANNEL_HOST_EXTRA),
+            "trusted_network": trusted,
+        },
         connect_url=url,
     )
 

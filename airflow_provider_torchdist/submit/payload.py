@@ -16,7 +16,7 @@ import sysconfig
 from collections import ChainMap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any
 
 import cloudpickle
@@ -69,12 +69,34 @@ def _by_value(modules: list[ModuleType]) -> Iterator[None]:
             cloudpickle.unregister_pickle_by_value(module)
 
 
+#: cloudpickle's reduction of a code object, and the file name it puts in place of the real one.
+_CODE_REDUCE = cloudpickle.CloudPickler.dispatch_table[CodeType]
+_DYNAMIC_FILE = "<dynamic-code>"
+
+
+def _code_with_its_file(code: CodeType) -> Any:
+    """cloudpickle's reduction of ``code``, keeping its ``co_filename``.
+
+    cloudpickle writes ``<dynamic-code>`` there (for payloads that do not depend on where a function
+    was defined), so a rank's traceback through a function from the DAG file read
+    ``File "<dynamic-code>", line 12``. Kept, it names the DAG file and line; the line numbers
+    travel with the code anyway."""
+    rebuild, args = _CODE_REDUCE(code)
+    if _DYNAMIC_FILE in args:
+        at = args.index(_DYNAMIC_FILE)
+        args = (*args[:at], code.co_filename, *args[at + 1 :])
+    return rebuild, args
+
+
 class _Pickler(cloudpickle.CloudPickler):
     """cloudpickle, less its reduction of open files (pickle's documented ``dispatch_table``):
-    a read-mode file would arrive as a silent copy of its contents; it is refused like any handle."""
+    a read-mode file would arrive as a silent copy of its contents; it is refused like any handle.
+    Code objects keep their file name (:func:`_code_with_its_file`)."""
 
     dispatch_table = ChainMap(
-        dict.fromkeys(_FILE_TYPES, lambda f: _refuse_file(f)), cloudpickle.CloudPickler.dispatch_table
+        {CodeType: _code_with_its_file},
+        dict.fromkeys(_FILE_TYPES, lambda f: _refuse_file(f)),
+        cloudpickle.CloudPickler.dispatch_table,
     )
 
 

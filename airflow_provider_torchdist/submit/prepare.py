@@ -10,15 +10,18 @@ two the caller owns the staging directory (and removes it when planning fails).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
 
+from airflow_provider_torchdist.spark.connect.sessions import run_session_url
 from airflow_provider_torchdist.spark.node.checkpoints import CHECKPOINT_ENV
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.submit.connect import check_connect_run
 from airflow_provider_torchdist.submit.connection import SparkTarget
 from airflow_provider_torchdist.submit.fast_start import plan_fast_start
+from airflow_provider_torchdist.submit.local_cores import warn_at_run
 from airflow_provider_torchdist.submit.plan import (
     SubmitPlan,
     build_plan,
@@ -61,6 +64,7 @@ def check_and_stage(
         check_spark_binary(target.spark_binary, {**os.environ, **env}.get("PATH"))
         check_master_reachable(target.master, spec.conn_id)
         slot_timeout = check_cluster_capacity(spec, target, log)
+        warn_at_run(spec, target, log)  # every rank on this machine, more of them than its cores
     check_checkpoint_dir(spec.checkpoint_dir)
     rank_env = dict(spec.rank_env)
     if spec.checkpoint_dir:
@@ -73,6 +77,7 @@ def check_and_stage(
         training=spec,
         slot_timeout=slot_timeout,
         rank_env=rank_env,
+        master_web_ui=target.master_web_ui,
     )
     return staged, props, env
 
@@ -108,4 +113,7 @@ def plan_staged(
         env={**env, **fast.env},
         jvm_archive=fast.jvm.pending_archive() if fast.jvm is not None else None,
     )
+    if target.is_connect:  # a Connect session of the run's own, which its record can name
+        url = run_session_url(plan.connection["url"])
+        plan = dataclasses.replace(plan, connection={**plan.connection, "url": url})
     return plan

@@ -31,6 +31,8 @@ from airflow_provider_torchdist.submit.payload import (
     modules_to_pickle_by_value as modules_to_pickle_by_value,  # re-exported
 )
 from airflow_provider_torchdist.submit.payload import pickle_payload
+from airflow_provider_torchdist.submit.script_args import script_argv
+from airflow_provider_torchdist.submit.script_flags import script_flags
 from airflow_provider_torchdist.submit.train_module import module_name
 
 #: The package's own folder (this module is in its submit/ subpackage).
@@ -59,7 +61,6 @@ STAGED_FILE_NAMES = frozenset(
 )
 #: Characters Spark reads in a ``--files`` entry: ``,`` separates entries and ``#`` renames the file.
 _SPARK_FILES_SPECIAL = (",", "#")
-_ARGV_ONLY = "kwargs apply to callables only; pass {what} options in args, e.g. args=['--epochs', '3']"
 
 
 @dataclass
@@ -151,15 +152,15 @@ def packaged_work(
 ) -> tuple[str, str, bytes | None, list[str]]:
     """The work as the job spec names it: its ``kind``, its ``entry`` (a file in the staging
     directory, or a module's name), the entry's bytes (None for a module: nothing is shipped) and a
-    script's or module's command-line arguments. Raises for a missing or misnamed script, or
-    keyword arguments for a script or module."""
+    script's or module's command-line arguments: ``args``, then ``kwargs`` as flags
+    (:func:`~airflow_provider_torchdist.submit.script_flags.script_flags`). Raises for a missing or
+    misnamed script, or keyword arguments that have no unambiguous flag."""
     if callable(train_object):
         kind, entry, data = "callable", PAYLOAD_FILE, pickle_payload(train_object, args, kwargs)
         script_args: list[str] = []
     elif (module := module_name(train_object)) is not None:
-        if kwargs:
-            raise InvalidTrainingConfig(_ARGV_ONLY.format(what="a module's"))
-        kind, entry, data, script_args = "module", module, None, [str(a) for a in args]
+        kind, entry, data = "module", module, None
+        script_args = script_argv(args) + script_flags(kwargs)
     else:
         script = Path(train_object).expanduser()
         check_script_name(str(train_object))
@@ -168,10 +169,9 @@ def packaged_work(
                 f"train_object script {str(train_object)!r} does not exist on this Airflow worker "
                 f"(resolved to {script.resolve()}). Give the path of a .py file that the worker can read."
             )
-        if kwargs:
-            raise InvalidTrainingConfig(_ARGV_ONLY.format(what="a script's"))
+        flags = script_flags(kwargs)  # before reading the file: a bad key fails first and cheaply
         kind, entry, data = "script", script.name, script.read_bytes()
-        script_args = [str(a) for a in args]
+        script_args = script_argv(args) + flags
     return kind, entry, data, script_args
 
 

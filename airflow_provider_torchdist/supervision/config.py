@@ -87,6 +87,9 @@ class SupervisorConfig:
     output_file: Path | None
     #: Seconds the ranks get to checkpoint when the run is stopped (``stop_grace_period``).
     stop_grace_period: float
+    #: The credential the lifeline accepts for ``status`` queries only (the Training view's:
+    #: ``record.status_secret``); None: status queries need the owner's credential.
+    status_secret: bytes | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> SupervisorConfig:
@@ -100,16 +103,16 @@ class SupervisorConfig:
             "output_file",
             "stop_grace_period",
         }
-        if not isinstance(data, dict) or set(data) != keys:
+        optional = {"status_secret_hex"}
+        if not isinstance(data, dict) or not keys <= set(data) <= keys | optional:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
-            raise SupervisorStartError(f"{SUPERVISOR_FILE} must hold exactly {sorted(keys)}, got {got}")
-        timeout, grace = data["reattach_timeout"], data["stop_grace_period"]
-        try:
-            secret = (
-                bytes.fromhex(data["owner_secret_hex"]) if isinstance(data["owner_secret_hex"], str) else b""
+            raise SupervisorStartError(
+                f"{SUPERVISOR_FILE} must hold exactly {sorted(keys)} (and optionally {sorted(optional)}), "
+                f"got {got}"
             )
-        except ValueError:
-            secret = b""
+        timeout, grace = data["reattach_timeout"], data["stop_grace_period"]
+        secret = _secret_bytes(data["owner_secret_hex"])
+        status_secret = _secret_bytes(data.get("status_secret_hex"))
         problems = [
             name
             for name, ok in (
@@ -126,6 +129,7 @@ class SupervisorConfig:
                     or (isinstance(data["checkpoint_dir"], str) and data["checkpoint_dir"]),
                 ),
                 ("owner_secret_hex", len(secret) >= 32),
+                ("status_secret_hex", "status_secret_hex" not in data or len(status_secret) >= 32),
                 ("stop_grace_period", type(grace) in (int, float) and math.isfinite(grace) and grace >= 0),
                 (
                     "output_file",
@@ -146,6 +150,7 @@ class SupervisorConfig:
             owner_secret=secret,
             output_file=None if data["output_file"] is None else Path(data["output_file"]),
             stop_grace_period=float(grace),
+            status_secret=status_secret if "status_secret_hex" in data else None,
         )
 
     @classmethod
@@ -155,6 +160,14 @@ class SupervisorConfig:
         except ValueError as exc:
             raise SupervisorStartError(f"{SUPERVISOR_FILE} is not JSON: {exc}") from None
         return cls.from_dict(data)
+
+
+def _secret_bytes(value: Any) -> bytes:
+    """A credential handed over as hex; b"" when it is not (refused by the length check)."""
+    try:
+        return bytes.fromhex(value) if isinstance(value, str) else b""
+    except ValueError:
+        return b""
 
 
 def read_plan_text(staging_dir: Path) -> str:

@@ -12,6 +12,9 @@ The credential is also bound to the task instance the run belongs to (:class:`Ta
 the reader takes from where it stands (the try's own task instance, the view's URL), never from the
 record: a record copied into another task instance's state proves nothing there, so its run's
 status, log and metrics are never shown or taken for another task's.
+
+The Training view holds less than an owner: a status credential (:func:`status_secret`) derived
+from a status-only key, which the supervisor accepts for ``status`` queries and nothing else.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from airflow_provider_torchdist.spark.wire.connect_ids import (
     connect_operation,
     split_operation,
 )
+from airflow_provider_torchdist.supervision.lifeline.address import unix_path
 
 RECORD_KEY = "torchdist_run"
 #: 2: the owner's credential is bound to the task instance (records of 1 are refused, saying so).
@@ -97,6 +101,9 @@ class RunRecord:
     """Where a live run is, and how long it waits for an owner (see the module docstring)."""
 
     run_id: str
+    #: The supervisor's lifeline: a TCP host and port, or ``unix:<socket path>`` and port 0 for a
+    #: local one (in the run's private staging directory: owners check that it still is, see
+    #: :mod:`~airflow_provider_torchdist.supervision.lifeline.address`).
     host: str
     port: int
     durable: bool
@@ -129,6 +136,11 @@ class RunRecord:
     def secret(self, key: bytes | None = None) -> bytes:
         """The credential of this run's owners, as this record's holder derives it."""
         return owner_secret(self.run_id, key, self.task)
+
+    def status_secret(self, view_key: bytes | None = None) -> bytes:
+        """The credential that may only ask this run's status (the Training view's), derived from
+        the status view key ``view_key`` (see :func:`status_secret`)."""
+        return status_secret(self.run_id, view_key, self.task)
 
     def with_operation(self, operation: str) -> RunRecord:
         """This record with the run's Spark Connect operation (``<session id>/<operation id>``)."""
@@ -170,7 +182,8 @@ class RunRecord:
         checks = (
             isinstance(record.run_id, str) and record.run_id,
             isinstance(record.host, str) and record.host,
-            type(record.port) is int and 0 < record.port < 65536,
+            type(record.port) is int
+            and (record.port == 0 if _is_unix(record.host) else 0 < record.port < 65536),
             type(record.durable) is bool,
             type(record.reattach_timeout) in (int, float) and record.reattach_timeout > 0,
             canonical_uuid(record.connect_session_id) is not None
@@ -186,6 +199,13 @@ class RunRecord:
         return record
 
 
+def _is_unix(host: object) -> bool:
+    """A ``unix:`` host naming an absolute socket path (whether it is a private one is checked where
+    it is connected to)."""
+    path = unix_path(host) if isinstance(host, str) else None
+    return path is not None and path.startswith("/") and "\0" not in path
+
+
 def owner_secret(run_id: str, key: bytes | None = None, task: TaskBinding | None = None) -> bytes:
     """The credential of the run's owners: HMAC-SHA256 of the run id and the task instance it
     belongs to (none for a run started outside a task) under the signing key."""
@@ -195,3 +215,18 @@ def owner_secret(run_id: str, key: bytes | None = None, task: TaskBinding | None
         key = signing_key()
     bound = b"" if task is None else b"|task:" + task.canonical()
     return hmac.new(key, b"torchdist-owner:" + run_id.encode() + bound, hashlib.sha256).digest()
+
+
+def status_secret(run_id: str, view_key: bytes | None = None, task: TaskBinding | None = None) -> bytes:
+    """The credential that may only ask the run's status: HMAC-SHA256 of the run id and its task
+    instance under the status view key (``[torchdist] view_status_key``, itself derived from the
+    signing key: :func:`~airflow_provider_torchdist.outputs.signing.status_view_key`; None: derived
+    here from this machine's signing key). The supervisor gets it beside the owner's credential
+    and accepts it for a ``status`` query only, so the API server, which holds only the view key,
+    can show a run but never stop, follow or fetch it, nor sign an output."""
+    if view_key is None:
+        from airflow_provider_torchdist.outputs.signing import signing_key, status_view_key
+
+        view_key = status_view_key(signing_key())
+    bound = b"" if task is None else b"|task:" + task.canonical()
+    return hmac.new(view_key, b"torchdist-status:" + run_id.encode() + bound, hashlib.sha256).digest()

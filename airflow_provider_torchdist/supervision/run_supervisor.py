@@ -29,6 +29,7 @@ from airflow_provider_torchdist.supervision.lifeline import (
     LifelineServer,
     RunState,
 )
+from airflow_provider_torchdist.supervision.lifeline.address import lifeline_bind, where
 from airflow_provider_torchdist.supervision.lock import ENDING_WAIT_S, RunLock
 from airflow_provider_torchdist.supervision.owners import OwnerRules
 from airflow_provider_torchdist.supervision.submission import (
@@ -95,14 +96,18 @@ class RunSupervisor(OwnerRules):
     def listen(self) -> tuple[str, int]:
         """Bind the lifeline and publish its address (``supervisor.addr``); owners may connect now."""
         config = self.config
+        bind, fallback = lifeline_bind(config.bind_host, self.staging_dir)
+        if fallback:
+            log(fallback)
         self.server = LifelineServer(
             config.run_id,
             config.owner_secret,
-            config.bind_host,
+            bind,
             self.state,
             self,
             silence_s=self._silence_s,
             ping_interval=self._ping_interval,
+            status_secret=config.status_secret,
         )
         host, port = self.server.address
         if host in ("0.0.0.0", "::"):  # listening everywhere: owners need a name for this machine
@@ -116,7 +121,7 @@ class RunSupervisor(OwnerRules):
         with self._cond:
             self._wait_for_owner(self._first_owner_wait())
         self.server.start()
-        log(f"run {config.run_id}: the lifeline listens on {host}:{port}")
+        log(f"run {config.run_id}: the lifeline listens on {where(host, port)}")
         return host, port
 
     def serve(self) -> int:

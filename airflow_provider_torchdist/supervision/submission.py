@@ -86,7 +86,7 @@ def run_verdict(
     staging_dir: Path, output_file: Path | None, submit_error: BaseException | None
 ) -> tuple[str, dict[str, Any]]:
     """spark-submit has ended: the run's end state and its details (for ``RunState.finish``), as
-    ``hook.run()`` would judge it. ``output_file`` is rank 0's output file (None for a script)."""
+    ``hook.run()`` would judge it. ``output_file`` is rank 0's output file (None: no output expected)."""
     from airflow_provider_torchdist.spark.wire.outcome import OUTCOME_FILE, Outcome
     from airflow_provider_torchdist.spark.wire.output_store import OutputManifest
 

@@ -12,7 +12,9 @@ dead process of this user:
   in-process run's (``hook.run()``), which may train for hours with nothing to tell it is alive:
   it is never touched.
 - ``torchdist-agent-<pid>-<random>`` directories whose agent process ``pid`` is dead, and
-  ``torchdist-data-<pid>-<random>`` ones (a node's ``train_data`` shards) whose task's is.
+  ``torchdist-data-<pid>-<random>`` ones (a node's ``train_data`` shards) and
+  ``torchdist-connect-<pid>-<random>`` ones (a Connect node's payload) whose task's is. On the
+  executors' hosts, the next node's process removes them (``spark.wire.private_files``).
 
 Only real directories (no symlinks) owned by this user are considered. Example::
 
@@ -31,6 +33,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from airflow_provider_torchdist.spark.wire.private_files import AGENT_DIR_PREFIX
 from airflow_provider_torchdist.supervision.processes import command_line, is_alive
 
 #: In a supervised run's staging directory: the supervisor's settings, written by the task before
@@ -50,8 +53,10 @@ EARLIER_SUPERVISOR_MODULES = ("airflow_provider_torchdist.supervisor ",)
 #: A supervised staging directory without an address this old is a supervisor that died starting.
 STALE_AFTER_S = 600.0
 STAGING_PREFIX = "torchdist-"
-AGENT_PREFIX = "torchdist-agent-"
-_AGENT_DIR = re.compile(r"torchdist-(?:agent|data)-(\d+)-.+")
+AGENT_PREFIX = AGENT_DIR_PREFIX
+#: The private directories of a node's processes (``private_files.private_directory``): a torchrun
+#: agent's logs, a node's ``train_data`` shards, a Connect node's payload; named with their PID.
+_AGENT_DIR = re.compile(r"torchdist-(?:agent|data|connect)-(\d+)-.+")
 
 
 def sweep_stale(

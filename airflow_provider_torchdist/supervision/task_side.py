@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.errors import SparkSubmitFailed, TrainingFailed
+from airflow_provider_torchdist.outputs.signing import signing_key, status_view_key
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
 from airflow_provider_torchdist.submit.plan import SubmitPlan
@@ -44,9 +45,11 @@ from airflow_provider_torchdist.supervision.lifeline import (
     RunStatus,
     query_status,
 )
+from airflow_provider_torchdist.supervision.lifeline.retry import retry_unreachable
+from airflow_provider_torchdist.supervision.lifeline_hosts import check_lifeline_address, lifeline_host
 from airflow_provider_torchdist.supervision.lock import MAX_ENDING_S
 from airflow_provider_torchdist.supervision.processes import end_session
-from airflow_provider_torchdist.supervision.record import RunRecord, TaskBinding, owner_secret
+from airflow_provider_torchdist.supervision.record import RunRecord, TaskBinding, owner_secret, status_secret
 from airflow_provider_torchdist.supervision.sweep import ADDRESS_FILE, SUPERVISOR_FILE
 
 #: How long the task waits for its supervisor to listen (it locks and binds; a new interpreter imports first).
@@ -54,16 +57,6 @@ START_TIMEOUT_S = 60.0
 #: The states of a run a new owner can still take over; "gone" is a run whose supervisor is not there.
 ACTIVE_STATES = ("starting", "running")
 GONE = "gone"
-
-
-def lifeline_host() -> str:
-    """Where a supervisor listens for its owners: ``[torchdist] lifeline_host``, default 127.0.0.1.
-
-    A deferred run's trigger connects from the triggerer: when that runs on another machine than
-    the workers, set it to an address of the worker that the triggerer can reach."""
-    from airflow.configuration import conf
-
-    return conf.get("torchdist", "lifeline_host", fallback="127.0.0.1") or "127.0.0.1"
 
 
 def start_supervisor(
@@ -86,7 +79,11 @@ def start_supervisor(
     task holding the checkpoint lock, for one).
     """
     run_id = staged.spec.run_id
-    _hand_over(staged, plan, durable, reattach_timeout, bind_host, checkpoint_dir, task)
+    try:
+        _hand_over(staged, plan, durable, reattach_timeout, bind_host, checkpoint_dir, task)
+    except BaseException:  # a signing key that cannot be read, say: leave nothing behind
+        staged.cleanup()
+        raise
     emit("supervisor_start")
     process = launch_supervisor(staged.dir)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -124,6 +121,7 @@ def _hand_over(
 ) -> None:
     """The supervisor's two private files in the staging directory: the plan, and its settings."""
     run_id = staged.spec.run_id
+    key = signing_key()  # read once: its _CMD form runs a command
     write_private_text(staged.dir / PLAN_FILE, plan.to_json())
     write_private_text(
         staged.dir / SUPERVISOR_FILE,
@@ -135,8 +133,10 @@ def _hand_over(
                 "bind_host": bind_host,
                 "checkpoint_dir": checkpoint_dir,
                 # Handed over in a private file: the supervisor does not read Airflow's config.
-                "owner_secret_hex": owner_secret(run_id, task=task).hex(),
-                "output_file": str(staged.output_path) if staged.spec.kind == "callable" else None,
+                "owner_secret_hex": owner_secret(run_id, key, task).hex(),
+                # What the Training view may ask with: status queries only.
+                "status_secret_hex": status_secret(run_id, status_view_key(key), task).hex(),
+                "output_file": str(staged.output_path),  # every kind: a script's set_output()
                 "stop_grace_period": float(staged.spec.stop_grace_period),
             }
         ),
@@ -183,8 +183,14 @@ def _start_failure(staging: Path, code: int | None) -> str:
 
 
 def connect_owner(record: RunRecord, *, kind: str = "task", since: int = 0) -> OwnerConnection:
-    """Become the run's owner: a lifeline to its supervisor, authenticated both ways."""
-    return OwnerConnection(record.host, record.port, record.run_id, record.secret(), kind=kind, since=since)
+    """Become the run's owner: a lifeline to its supervisor, authenticated both ways (tried again
+    for a while when the supervisor is busy or does not answer: :func:`retry_unreachable`).
+    :class:`~.lifeline_hosts.LifelineHostRefused` for a record naming a host outside the allow-list."""
+    check_lifeline_address(record.host, record.port)
+    secret = record.secret()
+    return retry_unreachable(
+        lambda: OwnerConnection(record.host, record.port, record.run_id, secret, kind=kind, since=since)
+    )
 
 
 def follow_to_end(
@@ -217,10 +223,13 @@ def run_state(record: RunRecord) -> str:
     """The run's state as its supervisor reports it, or ``"gone"`` when no supervisor answers.
 
     Raises :class:`LifelineError` when something answers at the address but cannot prove it is this
-    run's supervisor (wrong credentials): that is never taken for a run to reattach to.
+    run's supervisor (wrong credentials): that is never taken for a run to reattach to, nor is a
+    record naming a host outside the allow-list (:class:`~.lifeline_hosts.LifelineHostRefused`).
     """
+    check_lifeline_address(record.host, record.port)
+    secret = record.secret()
     try:
-        return query_status(record.host, record.port, record.run_id, record.secret()).state
+        return retry_unreachable(lambda: query_status(record.host, record.port, record.run_id, secret)).state
     except RunGone:
         return GONE
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import time
 from collections.abc import AsyncIterator
@@ -62,6 +63,8 @@ from airflow_provider_torchdist.supervision.lifeline import (
     RunGone,
     RunStatus,
 )
+from airflow_provider_torchdist.supervision.lifeline.retry import retry_unreachable_async
+from airflow_provider_torchdist.supervision.lifeline_hosts import check_lifeline_address
 from airflow_provider_torchdist.supervision.record import RunRecord, TaskBinding, owner_secret
 
 CLASSPATH = "airflow_provider_torchdist.triggers.torch_distributor.TorchDistributorTrigger"
@@ -268,14 +271,19 @@ class TorchDistributorTrigger(BaseTrigger):
             for attempt in range(2):
                 connection = self._connection
                 if connection is None:
-                    try:
-                        connection = self._connection = await AsyncOwnerConnection.connect(
-                            record.host,
-                            record.port,
-                            record.run_id,
-                            await self._owner_secret(),
-                            kind="trigger",
-                            timeout=CONNECT_TIMEOUT_S,
+                    secret = await self._owner_secret()
+                    await self._check_address()
+                    try:  # a supervisor busy with a connection flood is tried again, for a while
+                        connection = self._connection = await retry_unreachable_async(
+                            functools.partial(
+                                AsyncOwnerConnection.connect,
+                                record.host,
+                                record.port,
+                                record.run_id,
+                                secret,
+                                kind="trigger",
+                                timeout=CONNECT_TIMEOUT_S,
+                            )
                         )
                     except RunGone:
                         self.log.info("Run %s had already ended; nothing to stop.", record.run_id)
@@ -324,6 +332,11 @@ class TorchDistributorTrigger(BaseTrigger):
 
     # -- helpers ----------------------------------------------------------------------------------
 
+    async def _check_address(self) -> None:
+        """The record's host must be on the lifeline allow-list (its task state may have been
+        edited); a thread, as a configured host name may be resolved."""
+        await asyncio.to_thread(check_lifeline_address, self._record.host, self._record.port)
+
     async def _owner_secret(self) -> bytes:
         if self._secret is None:
             # Reading the key may read a file or run a command ([torchdist] output_signing_key_cmd):
@@ -335,6 +348,7 @@ class TorchDistributorTrigger(BaseTrigger):
         """Become the run's owner; retry with backoff while nothing answers, for ``reattach_timeout``
         from the first failure (as long as the supervisor waits for an owner)."""
         record = self._record
+        await self._check_address()
         delay, first_failure = self.poll_interval, None
         while True:
             try:

@@ -31,7 +31,9 @@ from airflow_provider_torchdist.ui.figures import training_figures
 from airflow_provider_torchdist.ui.task_facts import (
     AirflowTaskFacts,
     LiveHistory,
+    TaskFacts,
     TaskFactsReader,
+    is_training_task,
     live_history,
     metric_history,
 )
@@ -61,6 +63,18 @@ def _page(request: Request) -> HTMLResponse:
     return HTMLResponse(text, headers={"Cache-Control": "no-cache"})
 
 
+def not_a_training_task(task_id: str, facts: TaskFacts) -> dict[str, Any]:
+    """The answer for a task the Training tab has nothing to show of."""
+    operator = facts.custom_operator_name or facts.operator
+    return {
+        "training_task": False,
+        "state": facts.state,
+        "operator": operator,
+        "message": f"{task_id!r} is not a training task (its operator is {operator}): the Training tab shows "
+        "the metrics of TorchDistributorOperator and @task.torch_distributor tasks only.",
+    }
+
+
 def create_app() -> FastAPI:
     """The app the ``torchdist`` plugin mounts (see the module docstring)."""
     app = FastAPI(title="torchdist", docs_url=None, redoc_url=None, openapi_url=None)
@@ -74,7 +88,9 @@ def create_app() -> FastAPI:
         live: Annotated[LiveHistory, Depends(live_history_reader)],
         map_index: Annotated[int, Query(ge=-1)] = -1,
     ) -> dict[str, Any]:
-        """The figures of one task instance: state, metric history, progress and world size."""
+        """The figures of one task instance: state, metric history, progress and world size, with
+        ``training_task: true``; for a task that is not a training task, ``training_task: false``
+        and a message saying so (Airflow shows the tab on every task)."""
         # A plain function: FastAPI runs it in its thread pool, so the lifeline's blocking socket
         # (LIVE_TIMEOUT_S at most) never holds up the API server's event loop.
         facts = facts_reader.read(dag_id, run_id, task_id, map_index)
@@ -83,8 +99,10 @@ def create_app() -> FastAPI:
                 status.HTTP_404_NOT_FOUND,
                 f"No task instance {task_id!r} (map index {map_index}) in run {run_id!r} of DAG {dag_id!r}",
             )
+        if not is_training_task(facts):
+            return not_a_training_task(task_id, facts)
         source, history = metric_history(facts, live, TaskBinding(dag_id, run_id, task_id, map_index))
-        return training_figures(facts.state, history, facts.world_size, source)
+        return {"training_task": True, **training_figures(facts.state, history, facts.world_size, source)}
 
     # The UI fills {MAP_INDEX} in only on a mapped task's page: elsewhere it arrives as is.
     app.add_api_route("/training/{dag_id}/{run_id}/{task_id}/{map_index}", _page, methods=["GET"])

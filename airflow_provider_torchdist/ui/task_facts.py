@@ -36,12 +36,31 @@ LiveHistory = Callable[[Any, "TaskBinding"], "list[dict[str, Any]] | None"]
 @dataclass(frozen=True)
 class TaskFacts:
     """One task instance as the view needs it. ``history`` is XCom ``metrics`` (empty when none);
-    ``run_record`` is the stored run record as stored (None when none)."""
+    ``run_record`` is the stored run record as stored (None when none); ``operator`` is the task's
+    operator class and ``custom_operator_name`` its display name (``@task.torch_distributor``), as
+    Airflow records them on the task instance (None when unknown)."""
 
     state: str | None
     history: list[Any] = field(default_factory=list)
     run_record: Any = None
     world_size: int | None = None
+    operator: str | None = None
+    custom_operator_name: str | None = None
+
+
+#: The operators whose tasks train (the operator, and the ``@task.torch_distributor`` decorator's).
+TRAINING_OPERATORS = frozenset({"TorchDistributorOperator", "TorchDistributorDecoratedOperator"})
+TRAINING_DECORATOR = "@task.torch_distributor"
+
+
+def is_training_task(facts: TaskFacts) -> bool:
+    """Whether the task instance is one of this provider's training tasks. Airflow shows a plugin's
+    task instance tab on every task (an external view cannot be limited to an operator), so the view
+    asks. A subclass of the operator, under a name of its own, counts once it has left a run record
+    or metrics; an instance whose operator Airflow did not record counts too (nothing says it is not)."""
+    if facts.operator is None or facts.run_record is not None or facts.history:
+        return True
+    return facts.operator in TRAINING_OPERATORS or facts.custom_operator_name == TRAINING_DECORATOR
 
 
 class TaskFactsReader(Protocol):
@@ -72,7 +91,7 @@ class AirflowTaskFacts:
         from sqlalchemy import select
 
         row = self.session.execute(
-            select(TI.state).where(
+            select(TI.state, TI.operator, TI.custom_operator_name).where(
                 TI.dag_id == dag_id, TI.run_id == run_id, TI.task_id == task_id, TI.map_index == map_index
             )
         ).one_or_none()
@@ -92,6 +111,8 @@ class AirflowTaskFacts:
             history=history,
             run_record=self._run_record(dag_id, run_id, task_id, map_index),
             world_size=world_size_of(rendered),
+            operator=row.operator,
+            custom_operator_name=row.custom_operator_name or None,
         )
 
     def _xcom_history(self, dag_id: str, run_id: str, task_id: str, map_index: int) -> list[Any]:
@@ -139,25 +160,21 @@ def lifeline_hosts() -> set[str]:
     """The hosts whose supervisors the view may ask: ``[torchdist] lifeline_host`` (where this
     deployment's supervisors listen, 127.0.0.1 by default) and ``[torchdist] view_lifeline_hosts``
     (comma-separated, for workers on other machines). A record naming any other host is not asked:
-    whoever can write a task's state store must not make the API server connect where they like."""
-    from airflow_provider_torchdist.supervision.task_side import lifeline_host
+    whoever can write a task's state store must not make the API server connect where they like.
+    The same allow-list as the task side's (:mod:`~airflow_provider_torchdist.supervision.lifeline_hosts`)."""
+    from airflow_provider_torchdist.supervision.lifeline_hosts import lifeline_hosts as allowed
+
+    return allowed()
+
+
+def _view_key() -> bytes | None:
+    """The status view key (``[torchdist] view_status_key``, or derived from this API server's
+    signing key if it has one; never made here): it may ask a run's status, nothing else."""
+    from airflow_provider_torchdist.outputs.signing import view_status_key
 
     try:
-        from airflow.configuration import conf
-
-        extra = conf.get("torchdist", "view_lifeline_hosts", fallback="") or ""
-    except Exception:  # no config to read: the default host only
-        extra = ""
-    return {lifeline_host(), *(h.strip() for h in extra.split(",") if h.strip())}
-
-
-def _configured_key() -> bytes | None:
-    """The deployment's signing key if this API server has one; never made here."""
-    from airflow_provider_torchdist.outputs.signing import signing_key
-
-    try:
-        return signing_key(create=False)
-    except (ValueError, OSError):  # SigningKeyError is a ValueError
+        return view_status_key()
+    except (ValueError, OSError):  # SigningKeyError is a ValueError: a bad key shows XCom's history
         return None
 
 
@@ -166,18 +183,22 @@ def live_history(
 ) -> list[dict[str, Any]] | None:
     """The run's history from its supervisor (a ``status`` connection: it reads, it owns nothing);
     None when the record is not one of ours, names a host outside :func:`lifeline_hosts`, this
-    server has no signing key, or no supervisor proves itself there within :data:`LIVE_TIMEOUT_S`
-    as the supervisor of a run of ``task`` (the task instance the view shows: a record copied
+    server has no status view key (:func:`_view_key`), or no supervisor proves itself there
+    within :data:`LIVE_TIMEOUT_S` as the supervisor of a run of ``task`` (asked with the status
+    credential, which may do nothing else; the task instance the view shows: a record copied
     from another task instance's state proves nothing here). Answers are reused for
     :data:`LIVE_CACHE_S` (:data:`NOT_LIVE_CACHE_S` for none)."""
     from airflow_provider_torchdist.supervision.lifeline import LifelineError, query_status
+    from airflow_provider_torchdist.supervision.lifeline_hosts import lifeline_address_allowed
     from airflow_provider_torchdist.supervision.record import RunRecord
 
     try:
         record = RunRecord.from_dict(stored_record).bound_to(task)
     except ValueError:
         return None
-    if record.host not in lifeline_hosts():
+    # A local (unix:) lifeline is asked only when it is a socket in a private directory of this
+    # user: the client refuses any other (lifeline.address.check_private_socket).
+    if not lifeline_address_allowed(record.host, lifeline_hosts()):
         return None
     key = (record.host, record.port, record.run_id, task)
     now = clock()
@@ -185,15 +206,15 @@ def live_history(
         cached = _cache.get(key)
         if cached is not None and cached[0] > now:
             return cached[1]
-    signing = _configured_key()
+    view_key = _view_key()
     history: list[dict[str, Any]] | None = None
-    if signing is not None:
+    if view_key is not None:
         try:
             status = query_status(
                 record.host,
                 record.port,
                 record.run_id,
-                record.secret(signing),
+                record.status_secret(view_key),
                 timeout=LIVE_TIMEOUT_S,
             )
             history = status.metrics

@@ -156,8 +156,8 @@ def connect_conn(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> str:
-    """A ``spark_connect`` connection (the Spark provider's type) to the session's server; the
-    shared Connect sessions' ids in a cache of the tests' own."""
+    """A ``spark_connect`` connection (the Spark provider's type) to the session's server (over
+    loopback, so an elastic run needs no TLS); the provider's caches in a directory of the tests' own."""
     conn = {"conn_type": "spark_connect", "host": "127.0.0.1", "port": connect_server.port}
     monkeypatch.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", json.dumps(conn))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "connect-cache"))

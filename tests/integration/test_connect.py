@@ -279,38 +279,34 @@ def workers_and_leak() -> list[dict]:
     return everyone
 
 
-def test_runs_share_the_servers_session_and_workers_but_not_each_others_settings(connect_conn: str) -> None:
-    first = TorchDistributorHook(
-        conn_id=connect_conn, num_processes=2, rank_env={"TORCHDIST_TEST_LEAK": "first run"}
-    ).run(workers_and_leak)
-    second = TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(workers_and_leak)
-    assert [r["leak"] for r in first] == ["first run", "first run"]
-    assert [r["leak"] for r in second] == [None, None]  # the reused workers restored their environment
-    assert {r["worker"] for r in second} == {r["worker"] for r in first}  # the same Python workers
-
-
-def test_a_shared_session_the_server_closed_is_replaced(
+def test_each_run_has_a_session_of_its_own_released_when_it_ends(
     connect_conn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
+    """Issue 40: runs over one connection shared one Connect session (temp views, settings, Python
+    workers). Each run now opens a session of its own, named in its plan, and releases it at its
+    end: the next run's ranks run in other Python workers, with nothing of the first run's settings."""
     from pyspark.sql import SparkSession
 
-    from airflow_provider_torchdist.spark.connect.sessions import (
-        session_cache,
-        shared_session_id,
-        with_session,
-    )
+    from airflow_provider_torchdist.spark.connect.sessions import planned_session_id
 
-    TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(workers_and_leak)
-    url = SparkConnectHook(connect_conn).get_connection_url()  # the driver's URL, so its session's key
-    closed = shared_session_id(url, session_cache())
+    first_hook = TorchDistributorHook(
+        conn_id=connect_conn, num_processes=2, rank_env={"TORCHDIST_TEST_LEAK": "first run"}
+    )
+    first = first_hook.run(workers_and_leak)
+    second_hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2)
+    second = second_hook.run(workers_and_leak)
+    assert [r["leak"] for r in first] == ["first run", "first run"]
+    assert [r["leak"] for r in second] == [None, None]
+    assert not {r["worker"] for r in second} & {r["worker"] for r in first}  # not the first run's workers
+    url = first_hook.plan.connection["url"]
+    assert planned_session_id(url) != planned_session_id(second_hook.plan.connection["url"])
     monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")  # remote() sets it here: taken back afterwards
-    other = SparkSession.builder.remote(with_session(url, closed)).create()
-    other.conf.get("spark.master")  # the same session as the runs'
-    other.stop()  # released: its id is dead now
-    ranks = TorchDistributorHook(conn_id=connect_conn, num_processes=2).run(workers_and_leak)
-    assert len(ranks) == 2
-    assert shared_session_id(url, session_cache()) != closed
+    gone = SparkSession.builder.remote(url).create()
+    try:
+        with pytest.raises(Exception, match="SESSION_CLOSED"):  # released when the run ended
+            gone.conf.get("spark.master")
+    finally:
+        gone.client.close()
 
 
 DAGS = Path(__file__).parents[2] / "dags"

@@ -109,6 +109,10 @@ def test_callable_returns_rank_zero_value(
     assert "[rank 0 @ 127.0.0.1] hello from rank 0 of 2" in text
     assert "[rank 1 @ 127.0.0.1] hello from rank 1 of 2" in text
     assert "[metrics] rank 0 step 1: loss=0.5" in text
+    # A successful run's log holds no stack trace and no error line (the exit barrier's race:
+    # tests/unit/spark/node/test_exit_barrier.py).
+    assert "Traceback" not in text and "exit barrier" not in text and "DistNetworkError" not in text, text
+    assert not [line for line in text.splitlines() if "[error" in line or " ERROR " in line], text
     if engine:  # the Connect driver's first line, and no spark-submit on this path
         assert "distributed mode over Spark Connect: 2 Spark task(s)" in text
         assert "spark-submit" not in text.replace("spark_submit", "")

@@ -104,8 +104,10 @@ class FakeSpark:
         self.outcome: Outcome | None = Outcome(ok=True)
         #: Fail like spark-submit with a non-zero exit code, after the driver's part.
         self.raises = False
-        #: Publish rank 0's value (callables only), as rank 0 and the driver do on success.
+        #: Publish rank 0's value, as rank 0 and the driver do on success (a script's: None, as
+        #: rank 0 of a script that never calls ``set_output``; ``script_output`` for one that does).
         self.publish = True
+        self.script_output: Any = None
         #: Called with the staging directory before the outcome is written: a test's own driver act.
         self.also: Callable[[Path], None] | None = None
         #: Called with the staging directory after it, before spark-submit returns: Spark's stop.
@@ -142,9 +144,12 @@ class FakeSpark:
         self.properties = read_properties(properties_file)
         self.modes = (stat.S_IMODE(staged.stat().st_mode), stat.S_IMODE(properties_file.stat().st_mode))
         spec = self.spec = JobSpec.read(staged / SPEC_FILE)
-        if spec.kind == "callable" and self.publish and (self.outcome is None or self.outcome.ok):
-            payload = cloudpickle.loads((staged / spec.entry).read_bytes())
-            publish_value(payload["fn"](*payload["args"], **payload["kwargs"]), staged)
+        if self.publish and (self.outcome is None or self.outcome.ok):
+            if spec.kind == "callable":
+                payload = cloudpickle.loads((staged / spec.entry).read_bytes())
+                publish_value(payload["fn"](*payload["args"], **payload["kwargs"]), staged)
+            else:
+                publish_value(self.script_output, staged)
         if self.also is not None:
             self.also(staged)
         if self.outcome is not None:

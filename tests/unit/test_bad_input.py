@@ -290,6 +290,16 @@ PARSE_TIME = [
         id="train_data_shuffle_seed-negative",
     ),
     pytest.param(
+        {"train_data": "SELECT * FROM t WHERE day = :day", "train_data_args": {"day": ["2024-05-01"]}},
+        r"train_data_args values must be strings, numbers, booleans or None, which Spark binds as literals; got day=list",
+        id="train_data_args-not-a-literal",
+    ),
+    pytest.param(
+        {"train_data": "db.events", "train_data_args": {"day": "2024-05-01"}},
+        r"train_data_args \['day'\] bind the :name parameters of a train_data query, but train_data is the table name 'db.events'",
+        id="train_data_args-without-a-query",
+    ),
+    pytest.param(
         {"join_window": "ten"},
         r"join_window must be an integer >= 1, got 'ten'",
         id="join_window-not-an-integer",
@@ -452,13 +462,18 @@ def test_missing_script(tmp_path: Path, staging: Path, no_submit: list[str]) -> 
     _refused_before_submit(hook, staging, no_submit)
 
 
-def test_script_with_kwargs(tmp_path: Path, staging: Path, no_submit: list[str]) -> None:
+def test_script_with_kwargs_that_no_flag_can_carry(
+    tmp_path: Path, staging: Path, no_submit: list[str]
+) -> None:
+    # kwargs are a script's flags ({"epochs": 3} -> --epochs 3); a list has no one flag form.
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
     hook = TorchDistributorHook(num_processes=2, staging_dir=str(staging))
-    with pytest.raises(InvalidTrainingConfig, match=r"kwargs apply to callables only.*args=\['--epochs'"):
-        hook.run(str(script), epochs=3)
+    with pytest.raises(InvalidTrainingConfig, match=r"kwargs 'layers' is a list.*args=\['--layers'"):
+        hook.run(str(script), layers=[64, 32])
     _refused_before_submit(hook, staging, no_submit)
+    with pytest.raises(InvalidTrainingConfig, match=r"kwargs key 'no flag' cannot be a command-line flag"):
+        TorchDistributorOperator(task_id="t", train_object=str(script), kwargs={"no flag": 1})  # at parse
 
 
 def test_unpicklable_callable_closing_over_a_lock(staging: Path, no_submit: list[str]) -> None:

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import http.server
+import json
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from airflow_provider_torchdist import doctor
 
@@ -100,4 +107,93 @@ def test_a_connect_only_worker_is_checked_for_the_connect_client_not_spark_submi
         "Spark Connect client",
         "signing key",
         "Airflow",
+        "Spark connection",
     ]
+
+
+# -- the Spark connection a run would use: real connections (AIRFLOW_CONN_*), real sockets ----------
+
+
+@contextmanager
+def standalone_master(workers: list[dict[str, Any]]) -> Iterator[tuple[int, str]]:
+    """A listening master port, and a web UI that serves ``/json/`` as a standalone master does."""
+    state = json.dumps({"status": "ALIVE", "workers": workers}).encode()
+
+    class MasterUI(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            found = self.path == "/json/"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(state if found else b"{}")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    ui = http.server.ThreadingHTTPServer(("127.0.0.1", 0), MasterUI)
+    threading.Thread(target=ui.serve_forever, daemon=True).start()
+    with socket.create_server(("127.0.0.1", 0)) as master:
+        try:
+            yield master.getsockname()[1], f"http://127.0.0.1:{ui.server_address[1]}"
+        finally:
+            ui.shutdown()
+            ui.server_close()
+
+
+def closed_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+def spark_default(monkeypatch, host: str, port: int, **extra: str) -> None:
+    connection = {"conn_type": "spark", "host": host, "port": port, "extra": extra}
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps(connection))
+
+
+def test_without_spark_default_doctor_says_runs_use_the_embedded_master(monkeypatch) -> None:
+    monkeypatch.delenv("AIRFLOW_CONN_SPARK_DEFAULT", raising=False)
+    finding = doctor._spark_connection()
+    assert (
+        finding.ok and "'spark_default' is not defined: runs use the embedded local master" in finding.detail
+    )
+
+
+def test_a_standalone_master_and_its_web_ui_are_asked(monkeypatch) -> None:
+    alive = {"state": "ALIVE", "cores": 4, "coresfree": 3}
+    with standalone_master([alive, alive | {"state": "DEAD"}]) as (port, ui):
+        spark_default(monkeypatch, "spark://127.0.0.1", port, **{"master-web-ui": ui})
+        finding = doctor._spark_connection()
+    assert finding.ok, finding.detail
+    assert finding.detail == (
+        f"'spark_default': standalone master spark://127.0.0.1:{port} answers; web UI {ui}: ALIVE, "
+        "1 alive worker(s), 4 core(s), 3 free"
+    )
+
+
+def test_a_master_that_does_not_answer_is_a_problem(monkeypatch, capsys) -> None:
+    port = closed_port()
+    spark_default(monkeypatch, "spark://127.0.0.1", port)
+    finding = doctor._spark_connection()
+    assert not finding.ok
+    assert f"standalone master spark://127.0.0.1:{port} does not answer on 127.0.0.1:{port}" in finding.detail
+    assert "start the master, or fix the connection's host and port" in finding.detail
+    assert doctor.main() == 1 and "MISSING Spark connection:" in capsys.readouterr().out
+
+
+def test_a_web_ui_extra_that_does_not_answer_and_a_master_without_workers_are_problems(monkeypatch) -> None:
+    with standalone_master([]) as (port, ui):
+        spark_default(
+            monkeypatch, "spark://127.0.0.1", port, **{"master-web-ui": f"http://127.0.0.1:{closed_port()}"}
+        )
+        finding = doctor._spark_connection()
+        assert not finding.ok and "its web UI http://127.0.0.1:" in finding.detail
+        assert "runs check the cluster's slots there before submitting" in finding.detail
+        spark_default(monkeypatch, "spark://127.0.0.1", port, **{"master-web-ui": ui})
+        finding = doctor._spark_connection()
+        assert not finding.ok and "no worker has registered" in finding.detail
+
+
+def test_a_local_master_connection_is_named(monkeypatch) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[4]"}))
+    finding = doctor._spark_connection()
+    assert finding.ok and finding.detail == "'spark_default': local[4], a local master on this machine."

@@ -6,6 +6,7 @@ import importlib
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,68 @@ def test_airflow_providers_list_shows_the_provider() -> None:
     assert PACKAGE in providers, sorted(providers)
     assert providers[PACKAGE]["version"] == __version__
     assert "apache-airflow-providers-apache-spark" in providers
+
+
+# -- the [torchdist] options -------------------------------------------------------------------------
+
+#: ``conf.get("torchdist", "name", fallback=...)`` (any of conf's getters), and the secret options
+#: read through ``read_key_option("name")``.
+_CONF_READ = re.compile(r'\.get\w*\(\s*"torchdist",\s*"(\w+)"(?:,\s*fallback=("[^"]*"|None))?')
+_KEY_READ = re.compile(r'read_key_option\(\s*"(\w+)"')
+
+
+def options_the_code_reads() -> dict[str, str | None]:
+    """Every ``[torchdist]`` option the package reads, with the fallback it reads it with."""
+    package = Path(__file__).resolve().parents[2] / "airflow_provider_torchdist"
+    found: dict[str, str | None] = {}
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        for name, fallback in _CONF_READ.findall(text):
+            found[name] = None if fallback in ("", "None") else fallback.strip('"')
+        for name in _KEY_READ.findall(text):
+            found[name] = None
+    return found
+
+
+def test_every_torchdist_option_the_code_reads_is_declared_with_its_fallback() -> None:
+    """Undeclared, an option is not sensitive: Airflow ignores its _CMD/_SECRET forms and shows it
+    in the config (issue 40)."""
+    declared = get_provider_info()["config"]["torchdist"]["options"]
+    read = options_the_code_reads()
+    # The scan itself finds what it must (a change to how options are read would blind it).
+    assert {"output_signing_key", "view_status_key", "lifeline_host", "supervisor_start"} <= set(read)
+    assert set(read) == set(declared), "declare every [torchdist] option in get_provider_info()['config']"
+    for name, fallback in read.items():
+        assert declared[name]["default"] == fallback, name
+    sensitive = {name for name, option in declared.items() if option.get("sensitive")}
+    assert sensitive == {"output_signing_key", "view_status_key"}
+
+
+def test_airflow_resolves_the_declared_options_defaults() -> None:
+    """The declared defaults are what Airflow's own configuration answers with."""
+    from airflow.configuration import conf
+
+    assert conf.get("torchdist", "lifeline_host") == "127.0.0.1"
+    assert conf.get("torchdist", "supervisor_start") == "fork"
+    assert ("torchdist", "output_signing_key") in conf.sensitive_config_values
+
+
+def config_table(options: dict[str, dict]) -> str:
+    """docs/reference.md's ``[torchdist]`` table, rendered from the declared options."""
+    rows = ["| Option | Default | Secret | What it does |", "|---|---|---|---|"]
+    for name, option in options.items():
+        default = "none" if option["default"] is None else f"`{option['default']!r}`"
+        secret = "yes: also `_CMD`, `_SECRET`" if option.get("sensitive") else ""
+        # The name in bold: docs/tools/reference_table.py reads rows opening with a backtick as the
+        # operator's arguments.
+        rows.append(f"| **`{name}`** | {default} | {secret} | {option['description']} |")
+    return "\n".join(rows)
+
+
+def test_the_reference_lists_the_declared_options() -> None:
+    """docs/reference.md's table is get_provider_info()'s (print ``config_table`` to refresh it)."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "reference.md").read_text()
+    match = re.search(r"<!-- reference:config:start -->\n(.*?)\n<!-- reference:config:end -->", page, re.S)
+    assert match is not None, "docs/reference.md lost its [torchdist] options table"
+    expected = config_table(get_provider_info()["config"]["torchdist"]["options"])
+    assert match[1] == expected, "docs/reference.md's [torchdist] table is stale:\n" + expected

@@ -23,6 +23,7 @@ from tests.unit.test_import_graph import PACKAGE, ROOT, import_graph, module_fil
 LAYERS: list[set[str]] = [
     {"__main__", "get_provider_info", "doctor"},  # entry points and tools
     {"ui"},  # the Training view
+    {"decorators"},  # @task.torch_distributor: the operator for a TaskFlow function
     {"operators"},  # the task: rendering, orchestration, XCom, lineage, assets
     {"triggers"},  # the deferred task's wait
     {"hooks"},  # the hook: plans and submits

@@ -11,7 +11,8 @@ callable and args, or the script) travels inside the job, never as a file on a s
 
 The channel cannot ask Spark's scheduler which host runs a task (a Connect client has no
 ``SparkContext``): a node is accepted from the address it connects from, once, after proving the
-run's token (:class:`~.job.ConnectVerifier`). The spark-submit path binds nodes more tightly.
+run's token (:class:`~.job.ConnectVerifier`), and in an elastic run its own claim secret too
+(:mod:`.elastic`). The spark-submit path binds nodes more tightly.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from airflow_provider_torchdist.spark.connect.job import (
     server_setting,
 )
 from airflow_provider_torchdist.spark.connect.node_task import connect_node_task
-from airflow_provider_torchdist.spark.connect.sessions import open_session
+from airflow_provider_torchdist.spark.connect.sessions import open_session, release_session
 from airflow_provider_torchdist.spark.data.data_shards import has_train_data, shuffled_shards
 from airflow_provider_torchdist.spark.data.shard_plan import TrainDataError
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
@@ -97,10 +98,10 @@ def redact_url(text: str, url: str) -> str:
 
 @contextlib.contextmanager
 def tagged_session(url: str, run_id: str) -> Iterator[tuple[Any, Callable[[], None]]]:
-    """The run's Connect session, its jobs tagged with the run's tag, and a ``cancel`` that
-    interrupts them; SIGTERM (the hook's kill, a timeout, a lost owner) cancels them too. On the way
-    out the client closes, but the session stays on the server for the next run (``stop()`` would
-    release it, and its Python workers with it)."""
+    """The run's Connect session (its own: :mod:`.sessions`), its jobs tagged with the run's tag,
+    and a ``cancel`` that interrupts them; SIGTERM (the hook's kill, a timeout, a lost owner) cancels
+    them too. On the way out, or on that SIGTERM, the session is released on the server, with its
+    Python workers, temp views and settings."""
     emit("spark_context_start")
     spark = open_session(url)
     emit("spark_context_up")
@@ -111,15 +112,20 @@ def tagged_session(url: str, run_id: str) -> Iterator[tuple[Any, Callable[[], No
         with contextlib.suppress(Exception):  # the session may be gone already
             spark.interruptTag(tag)
 
-    def cancel(wait: float = 2.0) -> None:
+    def cancel(wait: float = 2.0, release: bool = False) -> None:
+        def calls() -> None:
+            interrupt()
+            if release:  # the process dies next: nothing else would release the session
+                release_session(spark)
+
         # pyspark retries a call to a slow server with backoff: a kill must not wait for it past
         # the hook's grace (5 s) before SIGKILL.
-        worker = threading.Thread(target=interrupt, daemon=True)
+        worker = threading.Thread(target=calls, daemon=True)
         worker.start()
         worker.join(wait)
 
     def on_term(signum: int, frame: Any) -> None:
-        cancel()
+        cancel(3.0, release=True)
         signal.signal(signum, signal.SIG_DFL)  # then die of it at once, as an unhandled SIGTERM does
         os.kill(os.getpid(), signum)
 
@@ -129,7 +135,7 @@ def tagged_session(url: str, run_id: str) -> Iterator[tuple[Any, Callable[[], No
     finally:
         with contextlib.suppress(Exception):
             spark.removeTag(tag)
-            spark.client.close()
+        release_session(spark)
 
 
 def run_connect(spec: JobSpec, staging: Path, url: str, py_files: list[str] | None = None) -> Outcome:

@@ -18,10 +18,17 @@ restart (:class:`~airflow_provider_torchdist.spark.elastic.run.ElasticMonitor`).
 freezes keeps its connection open: the survivors then wait for the collective's timeout, and the
 server's driver, which sees the executor's heartbeats stop, retries the task. Spark's graceful
 decommission is not seen either (the ranks get no chance to checkpoint first).
+
+**Who a node is.** No scheduler vouches for a task here, and the run's token is in every task. So
+each node proves a claim secret of its own (:mod:`~..wire.node_claims`), which travels in the job's
+input row for its partition alone (:func:`claim_rows`), and gets the run's elastic key (what the
+rendezvous state is signed with) only then; the run takes nodes back a bounded number of times in
+all (:class:`~.job.ConnectVerifier`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -64,7 +71,7 @@ def run_connect_elastic(
     # The store needs torch (about a second to import): while the server checks the payload.
     threading.Thread(target=importlib.import_module, args=("torch.distributed",), daemon=True).start()
     entry, shipped = job_payload(spark, spec, staging, py_files)
-    store = RendezvousStore(host, timeout=spec.rendezvous_timeout + 60, token=spec.token)
+    store = RendezvousStore(host, timeout=spec.rendezvous_timeout + 60)
     watch = NodeWatch(spec, store, cancel, say=lambda text: channel.say(text))
     channel = open_channel(
         watch.stop,
@@ -74,7 +81,7 @@ def run_connect_elastic(
         on_world_size=watch.monitor.world_size,
         on_node_gone=watch.node_gone,
     )
-    watch.registry = channel.registry
+    watch.attach(channel, store.key)
     with channel:
         open_connect_run(
             channel,
@@ -87,7 +94,7 @@ def run_connect_elastic(
         task = functools.partial(
             connect_elastic_task, spec, channel.address, store.address, str(staging), entry, shipped
         )
-        results, error = _run_job(spark, spec, channel, watch.stop, task)
+        results, error = _run_job(spark, spec, channel, watch, task)
         watch.stopping.set()
         error = elastic_verdict(spec, watch.monitor, channel.failures, channel.say) or error
         emit("channel_close")
@@ -116,9 +123,19 @@ class NodeWatch:
         self.stopping = threading.Event()
         self._cancel = cancel
         self.monitor = ElasticMonitor(spec, store, self.stop, say=say)
+        # Every loss costs each survivor one of its max_restarts: a run that took back more nodes
+        # than max_restarts + 1 (the last one's comeback after a loss that left no survivor to pay)
+        # could not go on anyway, whichever nodes they were.
         self.verifier = ConnectVerifier(spec.num_nodes, on_conflict=say, retries=spec.max_restarts + 1)
         #: The run channel's registry of nodes, once the channel is open.
         self.registry: NodeRegistry | None = None
+
+    def attach(self, channel: RunChannel, elastic_key: bytes) -> None:
+        """Watch ``channel``'s nodes (before any task starts): each must prove its own claim secret,
+        and only then gets ``elastic_key``, the key of the run's rendezvous state."""
+        self.registry = channel.registry
+        channel.registry.claim_secret = self.verifier.claim_secret
+        channel.registry.elastic_key = elastic_key
 
     def stop(self) -> None:
         """Stop the run: its job is cancelled, and no node counts as lost from now on."""
@@ -135,19 +152,35 @@ class NodeWatch:
         self.monitor.lost({f"node {node.node}, registration {node.attempt}": node.shown or node.host})
 
 
+#: A Spark SQL setting: how many partitions a scan of local rows makes (a session setting).
+LEAF_PARALLELISM = "spark.sql.leafNodeDefaultParallelism"
+
+
+def claim_rows(spark: Any, nodes: NodeWatch, count: int) -> Any:
+    """The job's input: one row per node, ``(node, claim)`` with its claim secret, node n's row in
+    partition n alone. A task receives its own partition's rows (the closure goes to every task),
+    so no node's task holds another's secret. The server cuts local rows into as many partitions as
+    the session's leaf parallelism says (else its cores'): it is set to the node count."""
+    spark.conf.set(LEAF_PARALLELISM, str(count))
+    rows = [(n, nodes.verifier.claim_secret(n).hex()) for n in range(count)]
+    return spark.createDataFrame(rows, "node int, claim string")
+
+
 def _run_job(
-    spark: Any, spec: JobSpec, channel: RunChannel, cancel: Callable[[], None], task: Callable[..., Any]
+    spark: Any, spec: JobSpec, channel: RunChannel, nodes: NodeWatch, task: Callable[..., Any]
 ) -> tuple[list[str], str | None]:
     """The job of MAX/nproc_per_node ordinary tasks; returns each node's result and the job's error
     (None when it succeeded, or when a rank's report tells the story)."""
-    stage = spark.range(spec.num_nodes, numPartitions=spec.num_nodes)
-    watch = SlotWatch(channel, spec.min_nodes, spec.slot_timeout, cancel, elastic=True)
+    watch = SlotWatch(channel, spec.min_nodes, spec.slot_timeout, nodes.stop, elastic=True)
     emit("elastic_stage_submitted")
     try:
+        stage = claim_rows(spark, nodes, spec.num_nodes)
         with followed(spark, channel, watch):
             rows = stage.mapInArrow(task, "result string").collect()
         return [row["result"] for row in rows], None
     except Exception as exc:
         return [], watch.error or (None if channel.failures else first_line(exc))
     finally:
+        with contextlib.suppress(Exception):  # a session the URL names is the user's: as it was
+            spark.conf.unset(LEAF_PARALLELISM)
         emit("elastic_stage_done")

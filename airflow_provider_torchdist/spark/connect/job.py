@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from airflow_provider_torchdist.spark.driver.slots import SlotsUnavailable
 from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused
 from airflow_provider_torchdist.spark.wire.connect_ids import connect_operation
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
+from airflow_provider_torchdist.spark.wire.node_claims import claim_secret
 
 #: What a Connect server takes in one gRPC message by default (``spark.connect.grpc.maxInboundMessageSize``).
 DEFAULT_MAX_MESSAGE = 128 * 1024 * 1024
@@ -32,10 +34,12 @@ class ConnectVerifier:
     task of the barrier stage (which cannot go on without it), or someone else holds the token.
 
     ``retries``: an elastic run's lost node comes back when Spark retries its task, as a new task
-    attempt on any host. A node may then be claimed again, at most ``retries`` times, and each time
-    only once its previous agent is gone (:meth:`release`). Over Connect the task attempt is the
-    node's own word, not the scheduler's, so this is what keeps a token holder from taking over a
-    node that is still in the run."""
+    attempt on any host. A node may then be claimed again, only once its previous agent is gone
+    (:meth:`release`), and the run takes nodes back at most ``retries`` times **in all**, whichever
+    nodes they are: a claim, a leave and a claim again cannot spend more than that. Over Connect the
+    task attempt is the node's own word, not the scheduler's; an elastic run's channel therefore
+    also has each node prove its own :meth:`claim_secret` (``NodeRegistry.claim_secret``), which
+    only that node's task receives, so the token alone claims nothing."""
 
     def __init__(self, nodes: int, on_conflict: Any = None, retries: int = 0) -> None:
         self._count = nodes
@@ -44,7 +48,16 @@ class ConnectVerifier:
         self._lock = threading.Lock()
         self._nodes: dict[int, str] = {}
         self._released: set[int] = set()
-        self._reclaims: dict[int, int] = {}
+        #: How many times the run took a node back, all nodes together.
+        self.comebacks = 0
+        # Only this process (the run's driver) holds it; each node's secret is derived from it.
+        self._run_secret = secrets.token_bytes(32)
+
+    def claim_secret(self, node: int) -> bytes:
+        """Node ``node``'s own claim secret, for its task's input row alone."""
+        if type(node) is not int or not 0 <= node < self._count:
+            raise HelloRefused(f"node {node!r} is not one of this run's {self._count} node(s)")
+        return claim_secret(self._run_secret, node)
 
     def release(self, node: int) -> None:
         """Node ``node``'s agent left the run (its process died, or Spark stopped it): a retry of
@@ -58,19 +71,18 @@ class ConnectVerifier:
             raise HelloRefused(f"node {node} is not one of this run's {self._count} node(s)")
         with self._lock:
             first = self._nodes.get(node)
-            again = (
-                first is not None and node in self._released and self._reclaims.get(node, 0) < self._retries
-            )
+            again = first is not None and node in self._released and self.comebacks < self._retries
             if first is None or again:
                 self._nodes[node] = peer_ip
                 self._released.discard(node)
-                self._reclaims[node] = self._reclaims.get(node, 0) + (1 if again else 0)
+                self.comebacks += 1 if again else 0
                 conflict = None
             elif self._retries:
                 conflict = (
                     f"node {node} claimed again (task attempt {task_attempt} from {peer_ip}) while its agent "
-                    f"from {first} is still in the run, or past its {self._retries} comeback(s): refused; "
-                    "Spark retried the task of a host that froze, or someone else holds the run's token"
+                    f"from {first} is still in the run, or past the run's {self._retries} comeback(s) in "
+                    f"all ({self.comebacks} taken): refused; Spark retried the task of a host that froze, "
+                    "or that node's task claims, leaves and claims again"
                 )
             else:
                 conflict = (

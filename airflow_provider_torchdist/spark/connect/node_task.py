@@ -116,18 +116,39 @@ def connect_elastic_task(
 ) -> Iterator[Any]:
     """One node of an elastic run's Connect job (an ordinary task, not a barrier one): the payload
     written privately, then the node as :func:`.elastic.task.elastic_task` runs it, on the rendezvous
-    store that the run's driver (this job's Connect client) serves."""
+    store that the run's driver (this job's Connect client) serves. ``rows``: this partition's input,
+    the node's row with its claim secret (:func:`~.elastic.claim_rows`)."""
     import pyarrow as pa
+    from pyspark import TaskContext
 
     from airflow_provider_torchdist.spark.elastic.task import elastic_task
 
-    _drain(rows)
+    secret = node_claim(rows, TaskContext.get().partitionId())
     with shipped_payload(spec, entry, py_files) as path:
         node = elastic_task(
-            spec, channel_address, store, output_dir, iter(()), entry_path=path, on_driver_lost=end_this_node
+            spec,
+            channel_address,
+            store,
+            output_dir,
+            iter(()),
+            entry_path=path,
+            on_driver_lost=end_this_node,
+            claim_secret=secret,
         )
         for result in node:
             yield pa.RecordBatch.from_pydict({"result": [result]})
+
+
+def node_claim(rows: Iterator[Any], partition: int) -> bytes:
+    """This node's claim secret: from its partition's one ``(node, claim)`` row, which must be its own."""
+    found = [row for batch in rows for row in batch.to_pylist()]
+    if [row["node"] for row in found] != [partition]:
+        raise RuntimeError(
+            f"partition {partition} of the elastic job holds the rows of node(s) "
+            f"{[row['node'] for row in found]}, not its own alone: the Connect server cut the job's input "
+            "otherwise than the run asked (spark.sql.leafNodeDefaultParallelism)"
+        )
+    return bytes.fromhex(found[0]["claim"])
 
 
 def private_file(directory: str, name: str, data: bytes) -> str:

@@ -1,75 +1,62 @@
-"""The Connect sessions a run uses: one shared by this user's runs against a server (its Python
-workers stay up, torch imported), kept in a private cache, or the URL's own."""
+"""The Connect session a run uses: one of its own, named in the run's URL when the hook plans it
+(:func:`run_session_url`), or the one the connection's URL names.
+
+A session holds temp views, settings and Python workers: runs of different DAGs over one
+connection must not share one. A session of the run's own costs its Python workers' start on the
+server (about 1.5 s a run), and the driver releases it when the run ends, so the server does not
+keep one per run until its idle timeout.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
 import uuid
-from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.spark.wire.connect_ids import canonical_uuid
-from airflow_provider_torchdist.spark.wire.private_files import write_private_text
 
 
-def session_cache() -> Path:
-    """Where this user keeps the ids of the Connect sessions its runs share (one per server and token)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "airflow-provider-torchdist" / "connect-sessions"
+def _params(url: str) -> list[str]:
+    return [p for p in url.partition("/;")[2].split(";") if p]
 
 
 def with_session(url: str, session_id: str) -> str:
-    """``url`` with ``session_id`` among its parameters."""
-    return f"{url};session_id={session_id}" if "/;" in url else f"{url.rstrip('/')}/;session_id={session_id}"
-
-
-def shared_session_id(url: str, cache: Path, renew: bool = False) -> str:
-    """The session this user's runs against ``url`` share (a new one when ``renew`` or none yet).
-
-    Spark Connect keeps Python workers per session: runs that share one find the server's workers
-    up, torch imported, instead of starting them (about 1.4 s a run). The key covers the URL with
-    its token, so different credentials never share a session.
-    """
-    path = cache / hashlib.sha256(f"{os.getuid()}|{url}".encode()).hexdigest()[:32]
-    if not renew:
-        with contextlib.suppress(OSError, ValueError):
-            return str(uuid.UUID(path.read_text().strip(), version=4))
-    session_id = str(uuid.uuid4())
-    with contextlib.suppress(OSError):  # no cache: this run's session only
-        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
-        write_private_text(path, session_id)
-    return session_id
+    """``url`` naming ``session_id`` (in place of a session it named)."""
+    base = url.partition("/;")[0].rstrip("/") if "/;" in url else url.rstrip("/")
+    kept = [p for p in _params(url) if p.partition("=")[0] != "session_id"]
+    return f"{base}/;{';'.join([*kept, f'session_id={session_id}'])}"
 
 
 def planned_session_id(url: str) -> str | None:
-    """The session a run against ``url`` will open (:func:`open_session`, unless the server closed
-    it): the URL's own ``session_id``, or this user's shared one. None when the URL's is no UUID."""
-    for param in url.partition("/;")[2].split(";"):
+    """The session a run's driver opens with ``url`` (:func:`run_session_url`'s), for the run's
+    record, so that a retry can interrupt a lost run's job there; None when ``url`` names none, or
+    one that is no UUID."""
+    for param in _params(url):
         name, _, value = param.partition("=")
         if name == "session_id":
             return canonical_uuid(value)
-    return shared_session_id(url, session_cache())
+    return None
+
+
+def run_session_url(url: str) -> str:
+    """The URL a run's driver opens: ``url`` with a fresh session of the run's own, unless
+    ``url`` names a session itself (the user's choice, shared by whatever uses that connection)."""
+    if any(p.partition("=")[0] == "session_id" for p in _params(url)):
+        return url
+    return with_session(url, str(uuid.uuid4()))
 
 
 def open_session(url: str) -> Any:
-    """A Connect session for the run: the one this user's runs share, or a new one when the server
-    closed it (idle too long) or the URL names a session of its own."""
+    """The run's Connect session: the one ``url`` names (a fresh one when it names none)."""
     from pyspark.sql import SparkSession
 
-    if "session_id=" in url:
-        return SparkSession.builder.remote(url).create()
-    cache = session_cache()
-    spark = SparkSession.builder.remote(with_session(url, shared_session_id(url, cache))).create()
-    try:
-        spark.conf.get("spark.master")  # the server still has the session
-    except Exception as exc:
-        if "SESSION_CLOSED" not in str(exc) and "SESSION_CHANGED" not in str(exc):
-            raise
-        with contextlib.suppress(Exception):
-            spark.client.close()
-        spark = SparkSession.builder.remote(
-            with_session(url, shared_session_id(url, cache, renew=True))
-        ).create()
-    return spark
+    return SparkSession.builder.remote(run_session_url(url)).create()
+
+
+def release_session(spark: Any) -> None:
+    """Release the run's session on the server (its temp views, settings, Python workers), then
+    close the client. Best effort: a server that is gone has released it already."""
+    with contextlib.suppress(Exception):
+        spark.client.release_session()
+    with contextlib.suppress(Exception):
+        spark.client.close()

@@ -83,7 +83,7 @@ def build_dataframe(spark: Any, spec: JobSpec, staging: Path) -> Any:
         elif is_table_name(spec.train_data or ""):
             df = spark.table(spec.train_data)
         else:
-            df = spark.sql(spec.train_data)
+            df = spark.sql(spec.train_data, args=spec.train_data_args or None)  # bound, not spliced
         from pyspark.sql.pandas.types import to_arrow_schema
 
         to_arrow_schema(df.schema)  # a column type Arrow cannot carry fails here, named

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from airflow_provider_torchdist.spark.driver.jvm_status import max_concurrent_tasks
+from airflow_provider_torchdist.spark.driver.master_state import slot_holders
 
 
 class SlotsUnavailable(RuntimeError):
@@ -37,6 +38,7 @@ def wait_for_slots(
     say: Callable[[str], None],
     settle: float = 6.0,
     poll: float = 0.25,
+    holders: Callable[[], str] | None = None,
 ) -> int:
     """Return once the application has ``needed`` slots; raise :class:`SlotsUnavailable` otherwise.
 
@@ -49,7 +51,8 @@ def wait_for_slots(
     gets as long again as the first one needed (an empty count keeps waiting for slow YARN or Kubernetes
     executors until then). Spark's own check would wait about 10 minutes (15 s x 40 tries).
     ``timeout`` None means the cluster is known to fit the stage: wait as long as other work
-    holds the slots.
+    holds the slots. ``holders`` says what holds the missing slots, as the master reports it
+    (:func:`~airflow_provider_torchdist.spark.driver.master_state.slot_holders`).
     """
     task_cpus = int(sc.getConf().get("spark.task.cpus", "1"))
     start = time.monotonic()
@@ -76,8 +79,7 @@ def wait_for_slots(
             raise SlotsUnavailable(needed, have, detail)
         if now - announced >= 10:
             limit = "" if deadline is None else f" (giving up after {timeout:.0f}s)"
-            say(
-                f"waiting for executors: {have} of {needed} task slot(s) so far; other work holds the rest{limit}"
-            )
+            why = holders() if holders is not None else slot_holders(None, None)
+            say(f"waiting for executors: {have} of {needed} task slot(s) so far; {why}{limit}")
             announced = now
         time.sleep(poll)

@@ -8,6 +8,7 @@ Shared by the fixed-size driver (:mod:`~airflow_provider_torchdist.spark.app`) a
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,7 @@ def open_run(
     """What a cluster run does first, its channel open: the channel's address for the hook (which
     follows the run as its owner), the run's ``mode`` line, the application, the wait for
     ``min_nodes`` task slots, and the job group its stage runs in (described as ``what``)."""
+    from airflow_provider_torchdist.spark.driver.master_state import slot_holders
     from airflow_provider_torchdist.spark.driver.slots import wait_for_slots
 
     write_channel_address(staging, channel.address)
@@ -142,5 +144,6 @@ def open_run(
     if channel.rank_filter:
         channel.say(channel.rank_filter.announcement())
     channel.application(sc.applicationId, sc.uiWebUrl or None)
-    wait_for_slots(sc, min_nodes, spec.slot_timeout, channel.say)
+    holders = functools.partial(slot_holders, spec.master_web_ui, sc.applicationId)
+    wait_for_slots(sc, min_nodes, spec.slot_timeout, channel.say, holders=holders)
     sc.setJobGroup(group, f"torchdist {what} {spec.run_id}", interruptOnCancel=True)

@@ -43,7 +43,7 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
     # The job group is cancelled also when an agent gives up (out of restarts, below MIN).
     with spark_driver(spec) as (sc, group, cancel):
         host = sc.getConf().get("spark.driver.host")
-        store = RendezvousStore(host, timeout=spec.rendezvous_timeout + 60, token=spec.token)
+        store = RendezvousStore(host, timeout=spec.rendezvous_timeout + 60)
         monitor = ElasticMonitor(spec, store, cancel, say=lambda text: channel.say(text))
         history = monitor.history
         channel = cluster_channel(
@@ -57,6 +57,7 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
             ranks_of_node=lambda _: range(spec.max_processes),
             on_world_size=monitor.world_size,
         )
+        channel.registry.elastic_key = store.key  # for each node Spark's scheduler vouches for
         with channel:
             mode = (
                 f"elastic mode: {spec.min_processes} to {spec.max_processes} ranks, {spec.num_nodes} Spark "

@@ -42,15 +42,20 @@ class RendezvousStore:
 
     Torch's own backends listen on every interface; this one takes a socket bound to the address
     the executors reach the driver at (``master_listen_fd``, as ``spark/rendezvous.py`` does).
+    ``key``: the run's random **elastic key**, which signs its state and restart requests (keys
+    derived from it, never from the run's token); the channel hands it to each verified node.
     """
 
-    def __init__(self, host: str, timeout: float, token: str) -> None:
+    def __init__(self, host: str, timeout: float) -> None:
+        import secrets
+
         from torch.distributed import TCPStore
 
         from airflow_provider_torchdist.spark.node.network import listen_on
         from airflow_provider_torchdist.spark.node.signed_rendezvous import run_key
 
-        self._key = run_key(token, "restart")
+        self.key = secrets.token_bytes(32)
+        self._key = run_key(self.key, "restart")
         self._restarts = 0
         self._lock = threading.Lock()  # losses are reported from several threads at once
 
@@ -85,16 +90,17 @@ class RestartWatch:
     started before the loss it names.
 
     A worker group that re-formed after the loss (its ranks saw their peers' sockets close) is left
-    alone. The request is signed with the run's key; one that does not verify is ignored, so a
-    stranger who reaches the store cannot make the run spend its restarts.
+    alone. The request is signed with a key from the run's elastic key (``elastic_key``, from the
+    driver); one that does not verify is ignored, so a stranger who reaches the store cannot make
+    the run spend its restarts.
     """
 
-    def __init__(self, store: tuple[str, int], timeout: float, token: str) -> None:
+    def __init__(self, store: tuple[str, int], timeout: float, elastic_key: bytes) -> None:
         from torch.distributed import TCPStore
 
         from airflow_provider_torchdist.spark.node.signed_rendezvous import run_key
 
-        self._key = run_key(token, "restart")
+        self._key = run_key(elastic_key, "restart")
         self._client = TCPStore(
             store[0], store[1], is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
         )
@@ -200,6 +206,7 @@ def elastic_task(
     *,
     entry_path: str | None = None,
     on_driver_lost: Callable[[], None] | None = None,
+    claim_secret: bytes | None = None,
 ) -> Iterator[str]:
     """One node of an elastic run: register with the driver, then run torchrun's agent for MIN:MAX.
 
@@ -207,7 +214,8 @@ def elastic_task(
     generation. Failures go to the driver over the run channel, as in a barrier task. ``entry_path``:
     the payload's path on this executor (default: shipped with the application, ``SparkFiles``);
     ``on_driver_lost``: called if the driver's end of the channel closes while the node runs (over
-    Spark Connect, the server's job would go on without its driver).
+    Spark Connect, the server's job would go on without its driver); ``claim_secret``: over Spark
+    Connect, where no scheduler vouches for the node, its own credential for its claim.
     """
     from pyspark import TaskContext
 
@@ -219,13 +227,12 @@ def elastic_task(
     emit("task_start", node=node)
     # An ordinary task has no list of its peers' addresses: the driver tells the node its host, as
     # Spark's scheduler placed it, when it vouches for it.
+    attempt = ctx.taskAttemptId()
     client = ChannelClient.as_node(
-        channel_address, spec.token, node=node, task_attempt=ctx.taskAttemptId(), host=None
+        channel_address, spec.token, node=node, task_attempt=attempt, host=None, claim_secret=claim_secret
     )
-    if client.host is None:
-        raise RuntimeError(
-            "the driver did not tell this node its host: the driver and executors run different versions"
-        )
+    if client.host is None or client.elastic_key is None:
+        raise RuntimeError("the driver did not tell this node its host and elastic key: other versions")
     host = client.host
     client.send(NodeStarted())
     failures: list[RankFailure]
@@ -268,9 +275,11 @@ def run_elastic_node(
     gpus = ctx.resources().get("gpu")
     os.environ.update(gpu_environment(spec, list(gpus.addresses) if gpus else None))
     from airflow_provider_torchdist.spark.node.launcher import launch_node  # imports torch
+    from airflow_provider_torchdist.spark.node.signed_rendezvous import use_key
 
-    assert client.host is not None
-    with RestartWatch(store, spec.rendezvous_timeout, spec.token):
+    assert client.host is not None and client.elastic_key is not None
+    use_key(spec.run_id, client.elastic_key)  # the agent's rendezvous signs its state with it
+    with RestartWatch(store, spec.rendezvous_timeout, client.elastic_key):
         return launch_node(
             spec,
             node_rank=ctx.partitionId(),

@@ -19,6 +19,7 @@ from airflow_provider_torchdist.spark.wire.channel_auth import (
     read_json,
     send_json,
 )
+from airflow_provider_torchdist.spark.wire.node_claims import claim_proof, wrap_key
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
 from airflow_provider_torchdist.spark.wire.protocol import (
     AgentFailures,
@@ -47,7 +48,12 @@ class ChannelClient:
     """
 
     def __init__(
-        self, address: tuple[str, int], token: str, hello: dict[str, Any], node_key: bytes | None = None
+        self,
+        address: tuple[str, int],
+        token: str,
+        hello: dict[str, Any],
+        node_key: bytes | None = None,
+        claim_secret: bytes | None = None,
     ) -> None:
         """Connect and prove who this is; use :meth:`as_node` or :meth:`as_rank`.
 
@@ -56,6 +62,8 @@ class ChannelClient:
         self._lock = threading.Lock()
         self.broken: str | None = None
         self.node_key = node_key
+        #: An elastic run's key for its rendezvous state, from the driver (None for a rank).
+        self.elastic_key: bytes | None = None
         #: A node's host as Spark's scheduler runs it, from the driver (None for a rank).
         self.host: str | None = None
         self._sock = socket.create_connection(tuple(address), timeout=HELLO_TIMEOUT_S)
@@ -64,12 +72,15 @@ class ChannelClient:
             deadline = time.monotonic() + HELLO_TIMEOUT_S
             send_json(self._sock, {"v": PROTOCOL_VERSION, "token": token, **hello})
             reply = read_json(self._sock, deadline)
-            if hello["role"] == "rank" and "nonce" in reply:
-                assert node_key is not None
-                send_json(self._sock, {"proof": rank_proof(node_key, str(reply["nonce"]), hello)})
+            nonce = str(reply.get("nonce", ""))
+            if "nonce" in reply:
+                send_json(self._sock, {"proof": self._proof(hello, nonce, node_key, claim_secret)})
                 reply = read_json(self._sock, deadline)
             if "key" in reply:
-                self.node_key = bytes.fromhex(str(reply["key"]))
+                # Wrapped under this node's claim secret where it proved one.
+                self.node_key = _unwrapped(reply, "key", claim_secret, nonce)
+                if reply.get("elastic_key"):
+                    self.elastic_key = _unwrapped(reply, "elastic_key", claim_secret, nonce)
                 host = reply.get("host")
                 self.host = host if isinstance(host, str) and host else None
             elif reply.get("ok") is not True:
@@ -81,12 +92,33 @@ class ChannelClient:
             raise ChannelRefused(f"the hello with the driver failed: {exc}") from None
         self._sock.settimeout(None)
 
+    @staticmethod
+    def _proof(hello: dict[str, Any], nonce: str, node_key: bytes | None, claim_secret: bytes | None) -> str:
+        """The answer to the driver's challenge: a rank's with its node key, a node's with its claim secret."""
+        if hello["role"] == "rank" and node_key is not None:
+            return rank_proof(node_key, nonce, hello)
+        if hello["role"] == "node" and claim_secret is not None:
+            return claim_proof(claim_secret, nonce, hello)
+        raise ChannelRefused(
+            "the driver asks this node to prove its claim, and its task carries no claim secret: the "
+            "driver and the executors run different versions of the provider"
+        )
+
     @classmethod
     def as_node(
-        cls, address: tuple[str, int], token: str, *, node: int, task_attempt: int, host: str | None
+        cls,
+        address: tuple[str, int],
+        token: str,
+        *,
+        node: int,
+        task_attempt: int,
+        host: str | None,
+        claim_secret: bytes | None = None,
     ) -> ChannelClient:
-        """A barrier task's agent: Spark's scheduler vouches for it, and it gets its node key."""
-        return cls(address, token, {"role": "node", "node": node, "task": task_attempt, "host": host})
+        """A task's agent: Spark's scheduler vouches for it, or (``claim_secret``, over Spark
+        Connect) it proves it holds its node's own claim secret; it gets its node key."""
+        hello = {"role": "node", "node": node, "task": task_attempt, "host": host}
+        return cls(address, token, hello, claim_secret=claim_secret)
 
     @classmethod
     def as_rank(
@@ -249,3 +281,9 @@ class ChannelClient:
             except OSError:
                 pass
             self._sock.close()
+
+
+def _unwrapped(reply: dict[str, Any], label: str, claim_secret: bytes | None, nonce: str) -> bytes:
+    """A key from the driver's reply: wrapped under this node's claim secret where it proved one."""
+    key = bytes.fromhex(str(reply[label]))
+    return key if claim_secret is None else wrap_key(claim_secret, nonce, label, key)

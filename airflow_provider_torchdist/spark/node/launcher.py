@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 from typing import Any
 
 from torch.distributed import DistStoreError
@@ -31,10 +30,10 @@ from airflow_provider_torchdist.spark.node.rank import (
 from airflow_provider_torchdist.spark.node.rendezvous import MONITOR_INTERVAL_S
 from airflow_provider_torchdist.spark.node.rendezvous import register as register_rendezvous
 from airflow_provider_torchdist.spark.node.signed_rendezvous import register as register_signed_rendezvous
-from airflow_provider_torchdist.spark.node.signed_rendezvous import use_key
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
+from airflow_provider_torchdist.spark.wire.private_files import AGENT_DIR_PREFIX, private_directory
 
 LOOPBACK = "127.0.0.1"
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -258,16 +257,15 @@ def launch_node(
     ``task_cpus`` the barrier task's ``spark.task.cpus`` (the ranks share them); ``output_dir`` the
     driver's output directory when this node runs on the driver (rank 0 writes its value there);
     ``node_key`` the key the driver gave this node, with which its ranks prove who they are;
-    ``store`` the driver's rendezvous store in an elastic run (``master`` is then None).
+    ``store`` the driver's rendezvous store in an elastic run (``master`` is then None; the caller
+    gave :func:`.signed_rendezvous.use_key` the run's elastic key).
     """
     emit("agent_start", node=node_rank)
-    if store is not None:
-        use_key(spec.run_id, spec.token)  # the elastic rendezvous signs its state with the run's key
     nproc = spec.nproc_per_node if master is not None or store is not None else spec.num_processes
     os.environ.update(rank_environment(spec, host, nproc, task_cpus))
-    # The PID in the name lets a later run's supervisor sweep the directory once this process is
-    # dead (killed before the finally below ran): see airflow_provider_torchdist/supervision/sweep.py.
-    log_dir = tempfile.mkdtemp(prefix=f"torchdist-agent-{os.getpid()}-")
+    # Named with this PID: the next agent on this host, or the Airflow worker's sweep (supervision/
+    # sweep.py), removes it once this process is dead (SIGKILLed before the finally below ran).
+    log_dir = private_directory(AGENT_DIR_PREFIX)
     # The agent installs its own handlers for these; a reused Spark Python worker must get back the
     # ones it had, or it would not die when its daemon later tells it to.
     saved = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}

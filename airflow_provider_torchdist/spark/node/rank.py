@@ -17,7 +17,7 @@ from typing import Any
 
 import cloudpickle
 
-from airflow_provider_torchdist.spark.node import rank_context, stop
+from airflow_provider_torchdist.spark.node import rank_context, script_output, stop
 from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
 from airflow_provider_torchdist.spark.node.output_capture import OutputCapture
 from airflow_provider_torchdist.spark.node.rank_output import send_output
@@ -156,6 +156,18 @@ def call_entry(spec: JobSpec, entry_path: str) -> Any:
     return None
 
 
+def call_work(spec: JobSpec, entry_path: str) -> Any:
+    """:func:`call_entry`, with a script's or module's ``sys.exit(0)`` taken as its normal end (as
+    its last line would be): rank 0 still hands on what it passed to ``set_output``."""
+    script_output.begin(spec.kind)
+    try:
+        return call_entry(spec, entry_path)
+    except SystemExit as exc:
+        if exc.code not in (None, 0) or spec.kind == "callable":
+            raise
+        return None
+
+
 def connect_rank(
     spec: JobSpec, channel_address: tuple[str, int], host: str, node: int, node_key: bytes, rank: int
 ) -> ChannelClient | None:
@@ -224,11 +236,11 @@ def run_rank(
     capture.start()
     try:
         emit("rank_start", rank=rank)
-        value = call_entry(spec, entry_path)
+        value = call_work(spec, entry_path)
         emit("rank_returned", rank=rank)
         _wait_if_regrouping(spec)
-        if rank == 0 and spec.kind == "callable":
-            send_output(client, value, output_dir)
+        if rank == 0:  # a script's value is what it set_output() (None if nothing)
+            send_output(client, value if spec.kind == "callable" else script_output.taken(), output_dir)
             emit("output_sent", rank=rank)
     except SystemExit as exc:
         if exc.code not in (None, 0):

@@ -15,6 +15,11 @@ one difference, composed from public API only:
   then never reads the keys of the group before it (gloo's addresses among them), which is what
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gave the ``c10d`` backend this replaces in local mode.
 
+Node 0 holds its store past its own exit barrier until the other nodes have left theirs
+(:meth:`BoundStoreRendezvous.shutdown`): torch's barrier lets the last node to arrive release node
+0 while a node that arrived earlier may not yet have sent its wait; with the store gone, that node
+logged "Error waiting on exit barrier" and a C++ stack trace at the end of a successful run.
+
 In both cases the ranks use this store (``use_agent_store``: ``init_process_group`` connects to it
 as a client), so no rank opens a store server of its own. Where the address cannot be bound (a host
 name that resolves to loopback here, or an address that is not this machine's, as behind NAT), the
@@ -29,7 +34,7 @@ import logging
 import socket
 from typing import cast
 
-from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed import DistError, PrefixStore, Store, TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
@@ -45,6 +50,18 @@ from airflow_provider_torchdist.spark.node.network import is_loopback_name, list
 BACKEND = "torchdist-static"
 
 logger = logging.getLogger(__name__)
+
+#: The key torchrun's exit barrier sets once every node has arrived: the run succeeded on every
+#: node. torch's private names for it (the agent's ``_TERMINAL_STATE_SYNC_ID`` and
+#: ``store_util._LAST_MEMBER_CHECKIN``) are spelled out here; should torch rename the key, node 0
+#: would no longer hold its store, and tests/unit/spark/node/test_exit_barrier.py fails.
+EXIT_BARRIER_PASSED = "torchelastic/agent/terminal_state/last_member"
+#: Each other node adds 1 here once it is out of the exit barrier; the last sets ``NODES_LEFT_ALL``.
+NODES_LEFT = "torchdist/exit/nodes_left"
+NODES_LEFT_ALL = "torchdist/exit/all_left"
+#: How long node 0 holds its store for nodes that have passed the exit barrier but not yet said so:
+#: a node that never does was killed, and the run is over for it anyway.
+EXIT_HOLD_TIMEOUT_S = 30.0
 
 
 def store_listener(host: str, port: int, *, world_size: int) -> socket.socket | None:
@@ -134,8 +151,35 @@ class BoundStoreRendezvous(RendezvousHandler):
         return self.run_id
 
     def shutdown(self) -> bool:
-        # Like torch's static rendezvous, keep node 0's store until this handler goes: the other
-        # nodes may still be waiting in the agent's exit barrier, which reads from it.
+        """Called by ``elastic_launch`` once the agent is done (after its exit barrier when the run
+        succeeded). Node 0's store dies with this handler, so node 0 first waits for the other
+        nodes to leave the barrier, and each other node says it has left."""
+        if self.world_size == 1 or self._store is None:
+            return True
+        store = PrefixStore(self.run_id, self._store)
+        if self.rank != 0:
+            try:
+                if store.add(NODES_LEFT, 1) == self.world_size - 1:
+                    store.set(NODES_LEFT_ALL, "1")
+            except DistError:
+                pass  # node 0 stopped holding the store (it gave up waiting): nothing left to tell
+            return True
+        # Only after a successful run: when a node failed, the others are not in the barrier, and
+        # holding the store would only delay the failure's report.
+        if store.check([EXIT_BARRIER_PASSED]):
+            logger.debug(
+                "node 0 holds the rendezvous store until %d node(s) leave the exit barrier",
+                self.world_size - 1,
+            )
+            try:
+                store.wait([NODES_LEFT_ALL], datetime.timedelta(seconds=EXIT_HOLD_TIMEOUT_S))
+            except DistError as exc:
+                logger.warning(
+                    "node 0 stops serving the rendezvous store: not every node left torchrun's exit "
+                    "barrier within %.0f s (%s). Their ranks had finished.",
+                    EXIT_HOLD_TIMEOUT_S,
+                    type(exc).__name__,
+                )
         return True
 
 

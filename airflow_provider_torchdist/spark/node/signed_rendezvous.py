@@ -5,8 +5,13 @@ reads there. The store has no authentication, so anything that can reach the dri
 plant a pickle and run code on every executor. This backend wraps torch's own
 (``C10dRendezvousBackend``, through the public ``RendezvousBackend`` interface and torch's
 rendezvous registry): each state is written with an HMAC-SHA256 under a key derived from the
-run's token, which only the run's executors hold, and a state whose tag does not verify is refused
-before torch sees its bytes.
+run's **elastic key**, and a state whose tag does not verify is refused before torch sees its bytes.
+
+The elastic key is random, made by the driver (:class:`~..elastic.task.RendezvousStore`), and handed
+to each node the driver verifies, in its claim's answer on the run channel
+(:mod:`~..wire.channel_auth`). It is not derived from the run's token: over Spark Connect the token
+is in every task of the job, and whoever holds it alone must not be able to seal a state. A node of
+the run holds the key, as it must to take part (see ``docs/security.md``).
 
 The key reaches the handler through this process (:func:`use_key`, by run id), not through the
 rendezvous configuration, which torch logs.
@@ -35,9 +40,9 @@ _TAG = hashlib.sha256().digest_size
 _KEYS: dict[str, bytes] = {}
 
 
-def run_key(token: str, purpose: str) -> bytes:
-    """A key for one use (``"rendezvous"``, ``"restart"``) derived from the run's token."""
-    return hmac.new(token.encode(), f"torchdist elastic {purpose}".encode(), hashlib.sha256).digest()
+def run_key(elastic_key: bytes, purpose: str) -> bytes:
+    """A key for one use (``"rendezvous"``, ``"restart"``) derived from the run's elastic key."""
+    return hmac.new(elastic_key, f"torchdist elastic {purpose}".encode(), hashlib.sha256).digest()
 
 
 def seal(key: bytes, data: bytes) -> bytes:
@@ -83,9 +88,9 @@ class SignedBackend(RendezvousBackend):
         return unseal(self._key, sealed, "rendezvous state"), new_token, written
 
 
-def use_key(run_id: str, token: str) -> None:
-    """Let this process's handlers for ``run_id`` sign with the run's key."""
-    _KEYS[run_id] = run_key(token, "rendezvous")
+def use_key(run_id: str, elastic_key: bytes) -> None:
+    """Let this process's handlers for ``run_id`` sign with the run's key (from its elastic key)."""
+    _KEYS[run_id] = run_key(elastic_key, "rendezvous")
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:

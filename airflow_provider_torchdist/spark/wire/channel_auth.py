@@ -7,7 +7,10 @@ strangers out. Identity comes from elsewhere:
    attempt id. The driver asks Spark's scheduler which host runs that task attempt for that
    partition of this run's stage, and checks that the connection comes from that host. Only then
    does it hand the node a fresh random node key, once per task attempt. In local mode the driver
-   makes node 0's key itself and gives it to the agent it runs in-process.
+   makes node 0's key itself and gives it to the agent it runs in-process. Where no scheduler
+   vouches (an elastic run over Spark Connect), the node proves instead that it holds a claim
+   secret of its own (:mod:`.node_claims`), and its keys come back wrapped under it. An elastic
+   run's nodes also get the run's **elastic key** (the rendezvous state's), from the driver alone.
 2. **A rank** says its node, global rank and worker-group generation. The driver answers with a
    random nonce; the rank proves it holds its node's key with an HMAC over the nonce and its hello.
    The driver accepts only ranks that belong to that node, from that node's host.
@@ -27,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
-import ipaddress
 import json
 import secrets
 import socket
@@ -36,6 +38,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from airflow_provider_torchdist.spark.wire.node_claims import claim_proof, wrap_key
+from airflow_provider_torchdist.spark.wire.peer_hosts import peer_matches, same_host
 
 HELLO_TIMEOUT_S = 10.0
 MAX_UNAUTHENTICATED = 64
@@ -98,42 +103,6 @@ def rank_proof(node_key: bytes, nonce: str, hello: dict[str, Any]) -> str:
     return hmac.new(node_key, json.dumps(claims).encode(), hashlib.sha256).hexdigest()
 
 
-def is_local_address(ip: str) -> bool:
-    """True when ``ip`` belongs to this machine (loopback, or one of its interfaces)."""
-    try:
-        if ipaddress.ip_address(ip).is_loopback:
-            return True
-        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.bind((ip, 0))
-        return True
-    except (ValueError, OSError):
-        return False
-
-
-def host_addresses(host: str) -> set[str]:
-    """The IP addresses ``host`` (a name or an address, as Spark reports it) stands for."""
-    try:
-        return {str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
-    except OSError:
-        return set()
-
-
-def peer_matches(peer_ip: str, host: str) -> bool:
-    """Does a connection from ``peer_ip`` come from ``host``? An executor on the driver's own machine
-    may reach the driver over loopback or any local address."""
-    addresses = host_addresses(host)
-    if peer_ip in addresses:
-        return True
-    return is_local_address(peer_ip) and any(is_local_address(a) for a in addresses)
-
-
-def _same_host(claimed: Any, host: str) -> bool:
-    if not isinstance(claimed, str) or not claimed or len(claimed) > 255:
-        return False
-    return any(peer_matches(ip, host) for ip in host_addresses(claimed))
-
-
 @dataclass(frozen=True)
 class Node:
     """A node the driver verified: where it runs, its key, and which registration it is."""
@@ -170,6 +139,23 @@ class NodeRegistry:
         self._lock = threading.Lock()
         self._nodes: dict[int, Node] = {}
         self._task_attempts: set[int] = set()
+        #: ``claim_secret(node)``: each node must prove it holds its own (None: the scheduler vouches).
+        self.claim_secret: Callable[[int], bytes] | None = None
+        #: An elastic run's key for its rendezvous state, handed to each node it verifies.
+        self.elastic_key: bytes | None = None
+
+    def check_claim(self, hello: dict[str, Any], nonce: str, proof: Any) -> bytes:
+        """A node's answer to its claim challenge; returns its claim secret once the proof verifies."""
+        node = hello.get("node")
+        if self.claim_secret is None or type(node) is not int:
+            raise HelloRefused(f"bad node claim (node={node!r})")
+        secret = self.claim_secret(node)  # raises HelloRefused for a node outside the run
+        if not isinstance(proof, str) or not hmac.compare_digest(proof, claim_proof(secret, nonce, hello)):
+            raise HelloRefused(
+                f"node {node}'s claim did not prove it holds that node's own claim secret (the run's "
+                "token, which every task of the job holds, is not enough)"
+            )
+        return secret
 
     def add_local(self, node: int, host: str) -> Node:
         """A node the driver runs itself (local mode): its key is made here, no registration."""
@@ -191,7 +177,7 @@ class NodeRegistry:
                 raise HelloRefused(f"task attempt {task_attempt} already registered")
             self._task_attempts.add(task_attempt)
             previous = self._nodes.get(node)
-            shown = claimed_host if _same_host(claimed_host, host) else host
+            shown = claimed_host if same_host(claimed_host, host) else host
             entry = Node(node, host, secrets.token_bytes(32), previous.attempt + 1 if previous else 0, shown)
             self._nodes[node] = entry
             return entry
@@ -258,10 +244,7 @@ def authenticate(
     peer_ip = conn.getpeername()[0]
     try:
         if hello.get("role") == "node":
-            node = registry.register(hello.get("node"), hello.get("task"), peer_ip, hello.get("host"))
-            # The host too: an ordinary (elastic) task does not know its own as Spark names it.
-            send_json(conn, {"key": node.key.hex(), "host": node.host})
-            return Peer("node", node)
+            return Peer("node", _register_node(conn, deadline, hello, registry, peer_ip))
         if hello.get("role") != "rank":
             raise HelloRefused(f"unknown role {hello.get('role')!r}")
         nonce = secrets.token_hex(16)
@@ -274,6 +257,28 @@ def authenticate(
         with contextlib.suppress(OSError):
             send_json(conn, {"error": str(exc)})
         raise
+
+
+def _register_node(
+    conn: socket.socket, deadline: float, hello: dict[str, Any], registry: NodeRegistry, peer_ip: str
+) -> Node:
+    """A node's claim: first its challenge, where it must prove its own claim secret; then its
+    keys (wrapped under that secret, where there is one) and its host."""
+    secret, nonce = None, ""
+    if registry.claim_secret is not None:
+        nonce = secrets.token_hex(16)
+        send_json(conn, {"nonce": nonce})
+        secret = registry.check_claim(hello, nonce, read_json(conn, deadline).get("proof"))
+    node = registry.register(hello.get("node"), hello.get("task"), peer_ip, hello.get("host"))
+    keys = {"key": node.key}
+    if registry.elastic_key is not None:
+        keys["elastic_key"] = registry.elastic_key
+    # The host too: an ordinary (elastic) task does not know its own as Spark names it.
+    reply: dict[str, Any] = {"host": node.host}
+    for label, key in keys.items():
+        reply[label] = (key if secret is None else wrap_key(secret, nonce, label, key)).hex()
+    send_json(conn, reply)
+    return node
 
 
 class HelloGate:

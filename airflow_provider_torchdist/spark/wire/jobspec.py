@@ -51,6 +51,9 @@ class JobSpec(TrainingSpec):
     script_args: list[str] = field(default_factory=list)
     #: ``DATA_FILE`` when ``train_data`` is a callable (``train_data`` is then None here).
     data_file: str | None = None
+    #: The standalone master's web UI (the connection's extra ``master-web-ui``), for the driver
+    #: to say what holds the task slots it waits for; None when the connection gives none.
+    master_web_ui: str | None = None
 
     @classmethod
     def for_run(cls, training: TrainingSpec, **identity: object) -> JobSpec:

@@ -38,6 +38,10 @@ def write_private_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     return target
 
 
+#: A torchrun agent's log directory (:mod:`~airflow_provider_torchdist.spark.node.launcher`).
+AGENT_DIR_PREFIX = "torchdist-agent-"
+
+
 def private_directory(prefix: str) -> str:
     """A new private directory (0700) in the temp directory, ``<prefix><pid>-<random>``, made after
     removing those of this user's processes that are dead. A process killed before it removed its

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from airflow_provider_torchdist.supervision.lifeline.address import open_lifeline_async
 from airflow_provider_torchdist.supervision.lifeline.events import Event, _Events
 from airflow_provider_torchdist.supervision.lifeline.handshake import _ClientHandshake
 from airflow_provider_torchdist.supervision.lifeline.messages import (
@@ -21,7 +22,12 @@ from airflow_provider_torchdist.supervision.lifeline.messages import (
     LifelineError,
     MalformedMessage,
     decode,
-    encode,
+)
+from airflow_provider_torchdist.supervision.lifeline.sealed import (
+    MAX_SEALED_LINE_BYTES,
+    Opener,
+    Sealer,
+    StreamTampered,
 )
 from airflow_provider_torchdist.supervision.lifeline.status import RunStatus
 
@@ -50,9 +56,12 @@ class AsyncOwnerConnection:
         status: RunStatus,
         silence: float,
         ping_interval: float,
+        stream: tuple[Sealer, Opener],
     ) -> None:
-        """Use :meth:`connect` (this takes a connection already authenticated)."""
+        """Use :meth:`connect` (this takes a connection already authenticated, and the sealer and
+        opener of its session)."""
         self._reader, self._writer = reader, writer
+        self._sealer, self._opener = stream
         self.run_id, self.kind, self.where, self.status = run_id, kind, where, status
         self._silence = silence
         self._events = _Events(run_id, where)
@@ -81,7 +90,7 @@ class AsyncOwnerConnection:
         deadline = time.monotonic() + timeout
         try:
             async with asyncio.timeout(timeout):  # not wait_for: 3.11's can swallow a cancellation
-                reader, writer = await asyncio.open_connection(host, port, limit=MAX_LINE_BYTES + 1)
+                reader, writer = await open_lifeline_async(host, port, limit=MAX_SEALED_LINE_BYTES + 1)
         except OSError as exc:  # TimeoutError included
             raise handshake.not_connected(exc) from None
 
@@ -104,15 +113,19 @@ class AsyncOwnerConnection:
             if failure is exc:
                 raise
             raise failure from None
-        return cls(reader, writer, run_id, kind, handshake.where, status, silence, ping_interval)
+        stream = handshake.stream()
+        return cls(reader, writer, run_id, kind, handshake.where, status, silence, ping_interval, stream)
 
     async def events(self) -> AsyncIterator[Event]:
         """As :meth:`OwnerConnection.events`."""
         while self._events.done is None:
             try:
-                msg = await _read_async(self._reader, self._silence)
+                msg = await _read_async(self._reader, self._silence, self._opener)
             except TimeoutError:
                 raise self._events.silent(self._silence) from None
+            except StreamTampered:
+                await self.close()
+                raise
             except OSError as exc:
                 raise LifelineError(
                     f"the lifeline to run {self.run_id} at {self.where} broke: {exc}"
@@ -139,10 +152,10 @@ class AsyncOwnerConnection:
                 raise
 
     async def _send(self, msg: dict[str, Any]) -> None:
-        data = encode(msg)
-        async with self._write_lock:
+        async with self._write_lock:  # sealed under the lock: the numbers go out in order
             if self._closed:
                 raise LifelineError(f"the lifeline to run {self.run_id} is closed")
+            data = self._sealer.seal_message(msg)
             try:
                 self._writer.write(data)
                 await self._writer.drain()
@@ -179,7 +192,10 @@ class AsyncOwnerConnection:
         await self.close()
 
 
-async def _read_async(reader: asyncio.StreamReader, timeout: float) -> dict[str, Any] | None:
+async def _read_async(
+    reader: asyncio.StreamReader, timeout: float, opener: Opener | None = None
+) -> dict[str, Any] | None:
+    """The next message (sealed, with ``opener``: after the handshake); None at the end."""
     try:
         # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when it completes
         # as the task is cancelled, swallowing the cancellation (a triggerer's cancel then hangs).
@@ -189,4 +205,4 @@ async def _read_async(reader: asyncio.StreamReader, timeout: float) -> dict[str,
         raise MalformedMessage(f"a message of more than {MAX_LINE_BYTES} bytes was refused") from None
     if not raw.endswith(b"\n"):
         return None
-    return decode(raw)
+    return decode(raw) if opener is None else opener.open(raw)

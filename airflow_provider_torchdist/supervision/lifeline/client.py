@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from airflow_provider_torchdist.supervision.lifeline.address import open_lifeline
 from airflow_provider_torchdist.supervision.lifeline.events import Event, _Events
 from airflow_provider_torchdist.supervision.lifeline.handshake import _ClientHandshake
 from airflow_provider_torchdist.supervision.lifeline.messages import (
@@ -20,10 +21,10 @@ from airflow_provider_torchdist.supervision.lifeline.messages import (
     OWNER_SILENCE_S,
     PING_INTERVAL_S,
     LifelineError,
-    encode,
     read_message,
 )
 from airflow_provider_torchdist.supervision.lifeline.output import receive_output
+from airflow_provider_torchdist.supervision.lifeline.sealed import StreamTampered
 from airflow_provider_torchdist.supervision.lifeline.status import RunStatus
 
 # -- the sync client ------------------------------------------------------------------------------
@@ -34,7 +35,7 @@ def _connect(
 ) -> tuple[socket.socket, BinaryIO, RunStatus]:
     deadline = time.monotonic() + timeout
     try:
-        sock = socket.create_connection((host, port), timeout=timeout)
+        sock = open_lifeline(host, port, timeout)  # TCP, or a unix socket in a private directory
     except OSError as exc:
         raise handshake.not_connected(exc) from None
     reader = sock.makefile("rb")
@@ -71,6 +72,9 @@ class OwnerConnection:
     there, :class:`LifelineUnreachable` when the address does not answer, :class:`LifelineError`
     when the other end is not this run's supervisor or refuses the credential. ``status`` is the
     run's status at that moment. While open, a thread pings every ``PING_INTERVAL_S``.
+
+    Every message after the handshake is sealed both ways (:mod:`.sealed`): one that fails its MAC
+    closes the lifeline with :class:`~.sealed.StreamTampered`.
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class OwnerConnection:
         handshake = _ClientHandshake(host, port, run_id, secret, kind, since)
         self.run_id, self.kind, self.where = run_id, kind, handshake.where
         self._sock, self._reader, self.status = _connect(handshake, host, port, timeout)
+        self._sealer, self._opener = handshake.stream()
         self._sock.settimeout(silence)
         self._silence = silence
         self._events = _Events(run_id, handshake.where)
@@ -110,7 +115,7 @@ class OwnerConnection:
         """
         while self._events.done is None:
             try:
-                msg = read_message(self._reader)
+                msg = self._read()
             except TimeoutError:
                 raise self._events.silent(self._silence) from None
             except (OSError, ValueError) as exc:  # ValueError: read after close()
@@ -125,6 +130,14 @@ class OwnerConnection:
             event = self._events.take(msg)
             if event is not None:
                 yield event
+
+    def _read(self) -> dict[str, Any] | None:
+        """The next sealed message (None at the end of the stream); a tampered stream is closed."""
+        try:
+            return self._opener.read(self._reader)
+        except StreamTampered:
+            self.close()
+            raise
 
     @property
     def done(self) -> RunStatus | None:
@@ -152,10 +165,12 @@ class OwnerConnection:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if read_message(self._reader) is None:
+                if self._read() is None:
                     return True
             except TimeoutError:
                 return False  # silent for longer than its pings allow (and the reader is spent)
+            except StreamTampered:
+                return False  # what came is not the supervisor's: nothing is known of its teardown
             except (OSError, ValueError):
                 return True
         return False
@@ -171,13 +186,21 @@ class OwnerConnection:
         """
         for _ in self.events():
             pass
+        # The status of a sealed "done" (events() takes no other): the manifest the bytes must match
+        # is one the supervisor sent under this session's MAC, never one a network put in.
         status = self._events.done
         assert status is not None
         if status.output is None:
             return None
         expected = status.output
         self._send({"k": "fetch"})
-        return receive_output(self._reader, self._events, self._silence, expected, Path(dest_dir))
+        try:
+            return receive_output(
+                self._reader, self._opener, self._events, self._silence, expected, Path(dest_dir)
+            )
+        except StreamTampered:
+            self.close()
+            raise
 
     def _command(self, name: str, why: str | None = None) -> None:
         try:
@@ -189,10 +212,10 @@ class OwnerConnection:
                 raise
 
     def _send(self, msg: dict[str, Any]) -> None:
-        data = encode(msg)
-        with self._write_lock:
+        with self._write_lock:  # sealed under the lock: the numbers go out in the order they are given
             if self._closed.is_set():
                 raise LifelineError(f"the lifeline to run {self.run_id} is closed")
+            data = self._sealer.seal_message(msg)
             try:
                 self._sock.sendall(data)
             except OSError as exc:

@@ -11,6 +11,7 @@ import re
 import secrets
 from typing import Any
 
+from airflow_provider_torchdist.supervision.lifeline.address import where
 from airflow_provider_torchdist.supervision.lifeline.messages import (
     KINDS,
     LIFELINE_VERSION,
@@ -22,6 +23,13 @@ from airflow_provider_torchdist.supervision.lifeline.messages import (
     _is_int,
     _require,
     encode,
+)
+from airflow_provider_torchdist.supervision.lifeline.sealed import (
+    OWNER_TO_SUPERVISOR,
+    SUPERVISOR_TO_OWNER,
+    Opener,
+    Sealer,
+    session_keys,
 )
 from airflow_provider_torchdist.supervision.lifeline.status import RunStatus
 
@@ -78,7 +86,7 @@ class _ClientHandshake:
         if not _is_int(since) or since < 0:
             raise ValueError(f"since must be a line number >= 0, got {since!r}")
         self.kind, self.since = kind, since
-        self.where = f"{host}:{port}"
+        self.where = where(host, port)
         self.nonce = secrets.token_hex(16)
         self._server_nonce = ""
 
@@ -166,3 +174,10 @@ class _ClientHandshake:
                 "Nothing from it is used."
             )
         return RunStatus.from_dict(msg["status"])
+
+    def stream(self) -> tuple[Sealer, Opener]:
+        """After :meth:`welcome`: the owner's sealer of its commands and opener of the
+        supervisor's messages, under this session's keys (:mod:`.sealed`)."""
+        keys = session_keys(self.secret, self.run_id, self.nonce, self._server_nonce)
+        who = f"the supervisor of run {self.run_id} at {self.where}"
+        return Sealer(keys[OWNER_TO_SUPERVISOR]), Opener(keys[SUPERVISOR_TO_OWNER], who)

@@ -14,7 +14,8 @@ from airflow_provider_torchdist.spark.wire.json_lines import json_object
 
 #: 2: the supervisor's proof covers the status it answers with, and the owner's credential is
 #: bound to the run's task instance (a supervisor of 1 refuses a 2 client, saying so).
-LIFELINE_VERSION = 2
+#: 3: every message after the handshake, both ways, carries a MAC of its session (:mod:`.sealed`).
+LIFELINE_VERSION = 3
 #: How often an owner (and an idle supervisor) says it is still there.
 PING_INTERVAL_S = 5.0
 #: Silence after which the other end counts as gone.
@@ -25,8 +26,13 @@ REPLAY_LINES = 1000
 HELLO_TIMEOUT_S = 10.0
 #: The longest message, its newline included.
 MAX_LINE_BYTES = 1 << 20
-#: Connections that may be in their handshake at once; more are turned away.
+#: How long the supervisor waits for each line an owner owes in the handshake (its hello, then its
+#: proof): an owner sends each at once, so a connection that says nothing frees its slot soon.
+HANDSHAKE_LINE_TIMEOUT_S = 2.0
+#: Connections that may be in their handshake at once; more are turned away (``busy``).
 MAX_PENDING_HELLOS = 16
+#: Of those, how many may come from one TCP source address (see :mod:`.slots`).
+MAX_PENDING_PER_SOURCE = 4
 #: The shortest owner secret either end accepts.
 MIN_SECRET_BYTES = 32
 

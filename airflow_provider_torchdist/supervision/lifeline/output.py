@@ -1,7 +1,11 @@
 """Rank 0's output over the lifeline, once the run has ended: the owner asks with ``fetch``; the
 supervisor answers ``{"k": "output", "manifest": {...}}`` and exactly ``size`` raw bytes
 (:func:`send_output`); the owner checks them against the run's status and keeps them
-(:func:`receive_output`)."""
+(:func:`receive_output`).
+
+The header is sealed as every message is (:mod:`.sealed`); the raw bytes are not, but their size and
+SHA-256 are what the sealed header and the sealed ``done`` status state, and the owner hashes what
+it got before it keeps any of it."""
 
 from __future__ import annotations
 
@@ -19,17 +23,24 @@ from airflow_provider_torchdist.supervision.lifeline.events import (
     _OutputHeader,
     parse_server_message,
 )
-from airflow_provider_torchdist.supervision.lifeline.messages import LifelineError, encode, read_message
+from airflow_provider_torchdist.supervision.lifeline.messages import LifelineError
+from airflow_provider_torchdist.supervision.lifeline.sealed import Opener, Sealer
 
 _CHUNK = 1 << 20
 
 
 def receive_output(
-    reader: BinaryIO, events: _Events, silence: float, expected: dict[str, Any], dest_dir: Path
+    reader: BinaryIO,
+    opener: Opener,
+    events: _Events,
+    silence: float,
+    expected: dict[str, Any],
+    dest_dir: Path,
 ) -> Path:
-    """Rank 0's output after a ``fetch``: the header, checked against the ``expected`` manifest of
-    the status, then the bytes, checked against its size and SHA-256, kept in ``dest_dir``."""
-    header = _output_header(reader, events, silence)
+    """Rank 0's output after a ``fetch``: the sealed header, checked against the ``expected``
+    manifest of the sealed status, then the bytes, checked against its size and SHA-256, kept in
+    ``dest_dir``."""
+    header = _output_header(reader, opener, events, silence)
     if header.manifest is None:
         raise LifelineError(
             f"the supervisor of run {events.run_id} has no output to send, though the run reported one: "
@@ -78,10 +89,10 @@ def receive_output(
         raise
 
 
-def _output_header(reader: BinaryIO, events: _Events, silence: float) -> _OutputHeader:
+def _output_header(reader: BinaryIO, opener: Opener, events: _Events, silence: float) -> _OutputHeader:
     while True:
         try:
-            msg = read_message(reader)
+            msg = opener.read(reader)
         except TimeoutError:
             raise events.silent(silence) from None
         except OSError as exc:
@@ -101,25 +112,26 @@ def _output_header(reader: BinaryIO, events: _Events, silence: float) -> _Output
             events.closing = parsed.reason
 
 
-def send_output(sock: socket.socket, manifest: dict[str, Any] | None, path: Path | None) -> None:
-    """The supervisor's answer to ``fetch``: the manifest, then exactly ``size`` raw bytes of
+def send_output(
+    sock: socket.socket, sealer: Sealer, manifest: dict[str, Any] | None, path: Path | None
+) -> None:
+    """The supervisor's answer to ``fetch``: the sealed manifest, then exactly ``size`` raw bytes of
     ``path``; a header with no manifest (and why) when there is none to send."""
     if manifest is None or path is None:
-        sock.sendall(encode({"k": "output", "manifest": None}))
+        sock.sendall(sealer.seal_message({"k": "output", "manifest": None}))
         return
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
-        sock.sendall(
-            encode({"k": "output", "manifest": None, "error": f"cannot open {path}: {exc.strerror}"})
-        )
+        error = f"cannot open {path}: {exc.strerror}"
+        sock.sendall(sealer.seal_message({"k": "output", "manifest": None, "error": error}))
         return
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size != manifest["size"]:
             error = f"{path} holds {size} bytes, not the {manifest['size']} its manifest says"
-            sock.sendall(encode({"k": "output", "manifest": None, "error": error}))
+            sock.sendall(sealer.seal_message({"k": "output", "manifest": None, "error": error}))
             return
-        sock.sendall(encode({"k": "output", "manifest": manifest}))
+        sock.sendall(sealer.seal_message({"k": "output", "manifest": manifest}))
         if size:
             sock.sendfile(f, 0, size)

@@ -10,9 +10,10 @@ import threading
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from airflow_provider_torchdist.supervision.lifeline.events import parse_command
-from airflow_provider_torchdist.supervision.lifeline.messages import MalformedMessage, encode, read_message
+from airflow_provider_torchdist.supervision.lifeline.messages import MalformedMessage, encode
 from airflow_provider_torchdist.supervision.lifeline.output import send_output
 from airflow_provider_torchdist.supervision.lifeline.run_state import _Raw, _Subscription
+from airflow_provider_torchdist.supervision.lifeline.sealed import Opener, Sealer, StreamTampered
 
 if TYPE_CHECKING:
     from airflow_provider_torchdist.supervision.lifeline.server import LifelineServer
@@ -51,6 +52,9 @@ class OwnerSession:
 
     Its own thread sends the subscription's events (and pings when idle); the connection's thread
     reads the owner's commands. ``close(reason)`` sends what is queued, then ``closing``, then closes.
+    Both directions are sealed (:mod:`.sealed`): ``sealer`` seals what this session sends (the
+    subscription's messages are encoded once for all owners; each session adds its own MAC as it
+    sends them), ``opener`` checks the owner's commands.
     """
 
     def __init__(
@@ -60,6 +64,8 @@ class OwnerSession:
         kind: str,
         peer: str,
         sub: _Subscription,
+        sealer: Sealer,
+        opener: Opener,
     ) -> None:
         self.kind = kind
         self.peer = peer
@@ -67,6 +73,7 @@ class OwnerSession:
         self._server = server
         self._sock = sock
         self._sub = sub
+        self._sealer, self._opener = sealer, opener
         self._closing: str | None = None
         self._writer = threading.Thread(target=self._write_loop, name="torchdist-lifeline-send", daemon=True)
 
@@ -95,27 +102,28 @@ class OwnerSession:
             self._writer.join(timeout)
 
     def _write_loop(self) -> None:
-        sock, sub = self._sock, self._sub
+        # The only thread that sends after the welcome: the sealer's numbers follow the sends.
+        sock, sub, seal = self._sock, self._sub, self._sealer.seal
         try:
             while True:
                 try:
                     item = sub.items.get(timeout=self._server.ping_interval)
                 except queue.Empty:
-                    sock.sendall(encode({"k": "ping"}))
+                    sock.sendall(seal(encode({"k": "ping"})))
                     continue
                 if item is _Subscription.CLOSE:
-                    sock.sendall(encode({"k": "closing", "reason": self._closing or "closed"}))
+                    sock.sendall(seal(encode({"k": "closing", "reason": self._closing or "closed"})))
                     return
                 if item is _Subscription.FETCH:
-                    send_output(self._sock, *self._server.state.output())
+                    send_output(self._sock, self._sealer, *self._server.state.output())
                 elif isinstance(item, _Raw):
-                    sock.sendall(item.data)
+                    sock.sendall(seal(item.data))
                 else:
                     dropped = sub.took()
                     if dropped:
                         notice = f"{dropped} event(s) were not sent: this owner fell behind"
-                        sock.sendall(encode({"k": "error", "message": notice}))
-                    sock.sendall(item)
+                        sock.sendall(seal(encode({"k": "error", "message": notice})))
+                    sock.sendall(seal(item))
         except OSError:
             pass  # gone, or stalled past the timeout: the reader sees the connection end
         finally:
@@ -127,9 +135,12 @@ class OwnerSession:
         listener = self._server.listener
         while True:
             try:
-                msg = read_message(reader)
+                msg = self._opener.read(reader)
             except TimeoutError:
                 return f"it sent nothing for {self._server.silence_s:g} s"
+            except StreamTampered as exc:
+                self.close("what came from the owner was tampered with on the way")
+                return str(exc)
             except MalformedMessage as exc:
                 self.close(f"a malformed message: {exc}")
                 return f"it sent a malformed message ({exc})"

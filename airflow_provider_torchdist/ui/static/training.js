@@ -292,6 +292,17 @@
       return;
     }
     const data = await response.json();
+    if (data.training_task === false) {
+      // Airflow shows the tab on every task: say plainly that this one has nothing to show.
+      $("state").textContent = "not a training task";
+      $("state").dataset.state = "none";
+      document.querySelector(".figures").hidden = true;
+      $("progress-bar").parentElement.hidden = true;
+      $("charts").replaceChildren();
+      body.dataset.error = "not-training";
+      showMessage(data.message);
+      return;
+    }
     render(data);
     if (!FINISHED.includes(data.state)) window.setTimeout(() => poll(url), POLL_MS);
   }

@@ -13,6 +13,7 @@ from airflow_provider_torchdist.operators.torch_distributor import (
     WORLD_SIZES_XCOM_KEY,
     TorchDistributorOperator,
 )
+from airflow_provider_torchdist.operators.xcom import CHECKPOINT_DIR_XCOM_KEY
 from airflow_provider_torchdist.outputs.results import (
     ENVELOPE_KEY,
     ENVELOPE_VERSION,
@@ -55,9 +56,8 @@ def test_bad_values_fail_at_construction(kwargs, field):
 
 
 def test_unknown_keyword_fails_at_construction():
-    with pytest.raises(
-        TypeError, match=r"(?s)Invalid arguments were passed to TorchDistributorOperator.*num_procs"
-    ):
+    # A TypeError still, as BaseOperator's own was; now naming the closest argument.
+    with pytest.raises(TypeError, match=r"unknown argument: num_procs \(did you mean num_processes\?\)"):
         _op(num_procs=2)
 
 
@@ -216,6 +216,8 @@ def test_execute_returns_xcom_value_and_pushes_metrics(faked_spark):
         "spark_ui_url": "",
         "spark_master_app_url": "",
         "spark_history_url": "",
+        # The run's checkpoint directory, for a downstream task (the task's own by default).
+        CHECKPOINT_DIR_XCOM_KEY: op.default_checkpoint_dir({"ti": ti}),
     }
     spec = faked_spark.spec
     assert (spec.num_processes, spec.nproc_per_node) == (4, 2)

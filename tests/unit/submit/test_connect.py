@@ -14,7 +14,11 @@ from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed
 from airflow_provider_torchdist.spark.connect.driver import channel_host, job_tag, main, redact_url
 from airflow_provider_torchdist.spark.connect.job import ConnectVerifier, SlotWatch, local_slots
-from airflow_provider_torchdist.spark.connect.sessions import shared_session_id, with_session
+from airflow_provider_torchdist.spark.connect.sessions import (
+    planned_session_id,
+    run_session_url,
+    with_session,
+)
 from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused
 from airflow_provider_torchdist.submit.connect import ConnectSubmission, check_connect_run, submission_for
 from airflow_provider_torchdist.submit.spark_submit import Submission
@@ -77,6 +81,38 @@ def test_an_elastic_range_is_taken_over_connect(monkeypatch, listening) -> None:
     check_connect_run(hook.spec, hook.target)  # the Connect client serves the rendezvous: no refusal
 
 
+def test_an_elastic_run_over_a_connect_channel_without_tls_is_refused_before_anything_starts(
+    monkeypatch, tmp_path
+) -> None:
+    """Issue 40: over Connect an elastic run's nodes' claim secrets travel in the job's plan. Over a
+    plain channel to a server off this machine it is refused, before anything is staged or sent
+    (the host is TEST-NET: nothing is ever reached), saying what to set."""
+    from airflow_provider_torchdist.submit.connect import check_connect_transport
+
+    def connection(conn_id: str, **extra) -> TorchDistributorHook:
+        conn = {"conn_type": "spark_connect", "host": "192.0.2.10", "port": 15002, "extra": extra}
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(conn))
+        return TorchDistributorHook(conn_id=conn_id, num_processes="1:2", staging_dir=str(tmp_path))
+
+    hook = connection("plain")
+    with pytest.raises(InvalidTrainingConfig) as info:
+        hook.run(lambda: 1)
+    message = str(info.value)
+    assert "num_processes='1:2' over the Spark Connect connection 'plain'" in message
+    assert "use_ssl: true" in message and '"trusted-network": true' in message
+    assert list(tmp_path.iterdir()) == []  # nothing staged, nothing submitted
+    # TLS, or the connection's word that its network is trusted, or a fixed size: taken.
+    check_connect_transport(connection("tls", use_ssl=True).spec, connection("tls", use_ssl=True).target)
+    trusted = connection("trusted", **{"trusted-network": "true"})
+    check_connect_transport(trusted.spec, trusted.target)
+    fixed = TorchDistributorHook(conn_id="plain", num_processes=2)
+    check_connect_transport(fixed.spec, fixed.target)
+    # A loopback server: the plan crosses no network.
+    monkeypatch.setenv("AIRFLOW_CONN_LOOP", json.dumps({"conn_type": "spark_connect", "host": "127.0.0.1"}))
+    loop = TorchDistributorHook(conn_id="loop", num_processes="1:2")
+    check_connect_transport(loop.spec, loop.target)
+
+
 def test_train_data_is_taken_over_connect(monkeypatch, listening) -> None:
     hook = _connect_hook(monkeypatch, listening, train_data="SELECT 1 AS x")
     check_connect_run(hook.spec, hook.target)  # the server's session runs the query: no refusal
@@ -119,14 +155,15 @@ def test_an_elastic_runs_verifier_takes_a_node_again_only_once_its_agent_is_gone
     said: list[str] = []
     verify = ConnectVerifier(2, on_conflict=said.append, retries=1)
     assert verify(1, 12, "10.0.0.6") == "10.0.0.6"
-    # A token holder's claim while the node's agent is still in the run: refused, the run goes on.
+    # A claim while the node's agent is still in the run: refused, the run goes on.
     with pytest.raises(HelloRefused, match="node 1 claimed again .* still in the run"):
         verify(1, 13, "10.0.0.9")
     verify.release(1)  # its agent died
     assert verify(1, 15, "10.0.0.5") == "10.0.0.5"  # its lost task's retry, on another host
-    verify.release(1)
-    with pytest.raises(HelloRefused, match="past its 1 comeback"):
-        verify(1, 16, "10.0.0.5")
+    assert verify(0, 18, "10.0.0.7") == "10.0.0.7"  # a first claim is no comeback
+    verify.release(0)  # the budget is the run's: another node's comeback is past it too
+    with pytest.raises(HelloRefused, match="past the run's 1 comeback\\(s\\) in all \\(1 taken\\)"):
+        verify(0, 16, "10.0.0.5")
     with pytest.raises(HelloRefused, match="node 2 is not one of this run's 2 node"):
         verify(2, 17, "10.0.0.8")
     assert len(said) == 2
@@ -296,30 +333,34 @@ def test_the_slot_watch_leaves_a_stage_alone_once_every_task_started() -> None:
     assert cancelled == [] and watch.error is None
 
 
-def test_runs_against_one_server_and_token_share_a_session_id_kept_private(tmp_path) -> None:
+def test_every_run_over_one_connection_gets_a_session_of_its_own() -> None:
+    """Issue 40: runs of different DAGs over one connection shared one Connect session (temp views,
+    settings, Python workers). Each run's plan now names a fresh one; a URL that names a session
+    itself is the user's choice, kept."""
     url = "sc://h:15002/;token=abc"
-    first = shared_session_id(url, tmp_path)
-    assert shared_session_id(url, tmp_path) == first  # the next run finds it
-    assert (
-        shared_session_id("sc://h:15002/;token=other", tmp_path) != first
-    )  # other credentials, other session
-    renewed = shared_session_id(url, tmp_path, renew=True)  # the server closed it
-    assert renewed != first and shared_session_id(url, tmp_path) == renewed
-    (stored,) = [p for p in tmp_path.iterdir() if p.read_text() == renewed]
-    assert stored.stat().st_mode & 0o777 == 0o600
-    assert "abc" not in stored.name
+    first, second = planned_session_id(run_session_url(url)), planned_session_id(run_session_url(url))
+    assert first and second and first != second
+    assert str(uuid.UUID(first)) == first
+    named = f"{url};session_id={SESSION}"
+    assert run_session_url(named) == named
 
 
 def test_a_session_id_rides_in_the_urls_parameters() -> None:
     sid = "0f8fad5b-d9cb-469f-a165-70867728950e"
     assert with_session("sc://h:1", sid) == f"sc://h:1/;session_id={sid}"
     assert with_session("sc://h:1/;token=t", sid) == f"sc://h:1/;token=t;session_id={sid}"
+    # A session the URL named already is replaced, not named twice.
+    assert (
+        with_session(f"sc://h:1/;session_id={SESSION};token=t", sid) == f"sc://h:1/;token=t;session_id={sid}"
+    )
 
 
-def test_without_a_cache_a_run_still_gets_a_session(tmp_path) -> None:
-    blocked = tmp_path / "file"
-    blocked.write_text("not a directory")
-    assert str(uuid.UUID(shared_session_id("sc://h:1", blocked / "cache")))
+def test_the_plan_of_each_connect_run_names_its_own_session(monkeypatch, listening) -> None:
+    hook = _connect_hook(monkeypatch, listening)
+    urls = [_plan(hook).connection["url"] for _ in range(2)]
+    sessions = {planned_session_id(url) for url in urls}
+    assert len(sessions) == 2 and None not in sessions
+    assert all("token=s3cret-token" in url for url in urls)
 
 
 def test_spark_submit_never_inherits_a_connect_clients_environment(fake_spark, monkeypatch, tmp_path) -> None:
@@ -384,11 +425,11 @@ class FakeConnect:
     def close(self) -> None:
         self.closed += 1
 
-    def stop(self) -> None:
+    def release_session(self) -> None:
         self.stopped += 1
 
 
-def test_interrupting_a_lost_run_uses_its_tag_in_its_session_and_keeps_the_session(monkeypatch) -> None:
+def test_interrupting_a_lost_run_uses_its_tag_in_its_session_and_releases_it(monkeypatch) -> None:
     import os
 
     from airflow_provider_torchdist.submit.connect import interrupt_lost_run
@@ -399,7 +440,11 @@ def test_interrupting_a_lost_run_uses_its_tag_in_its_session_and_keeps_the_sessi
     assert "SPARK_CONNECT_MODE_ENABLED" not in os.environ  # the task's process is not left marked
     assert fake.urls == [f"sc://h:15002/;token=t;session_id={SESSION}"]
     assert fake.tags == ["torchdist-run-1"]
-    assert (fake.closed, fake.stopped) == (1, 0)  # the shared session is not released
+    assert (fake.closed, fake.stopped) == (1, 1)  # the run's own session: released
+    # A session the connection's URL names is the user's: interrupted there, not released.
+    kept = FakeConnect()
+    interrupt_lost_run(f"sc://h:1/;session_id={SESSION}", SESSION, "run-1", remote=kept)
+    assert (kept.closed, kept.stopped) == (1, 0)
 
 
 def test_a_closed_session_has_nothing_to_interrupt_and_other_errors_are_raised() -> None:
@@ -432,12 +477,9 @@ def test_a_server_that_does_not_answer_fails_the_interrupt_in_bounded_time() -> 
         never.set()
 
 
-def test_the_planned_session_is_the_urls_own_or_the_shared_one(monkeypatch, tmp_path) -> None:
-    from airflow_provider_torchdist.spark.connect.sessions import planned_session_id, session_cache
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+def test_the_planned_session_is_the_one_the_runs_url_names() -> None:
     url = "sc://h:15002/;token=t"
-    assert planned_session_id(url) == shared_session_id(url, session_cache())
+    assert planned_session_id(url) is None  # the hook's plan always names one (run_session_url)
     assert planned_session_id(f"{url};session_id={SESSION}") == SESSION
     assert planned_session_id(f"{url};session_id=mine") is None  # not a UUID: nothing to record
 

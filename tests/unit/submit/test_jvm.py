@@ -178,6 +178,49 @@ def test_cache_dir_is_private_and_quotable(tmp_path):
     assert private_cache_dir(tmp_path / "with space") is None
 
 
+def test_cache_dir_below_a_directory_others_can_write_is_not_used(tmp_path):
+    """Another user who can write a directory above the cache can rename the cache away and put a
+    directory of their own, with their archive, in its place: the leaf's own mode proves nothing."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # world-writable, not sticky
+    assert private_cache_dir(shared / "me" / "jvm") is None
+    assert (os.stat(shared / "me" / "jvm").st_mode & 0o777) == 0o700  # the leaf alone looked private
+    os.chmod(shared, 0o770)
+    assert private_cache_dir(shared / "me" / "jvm") is None  # group-writable: the same
+    os.chmod(shared, 0o1777)  # sticky, as /tmp: only an entry's owner may rename it
+    assert private_cache_dir(shared / "me" / "jvm") == shared / "me" / "jvm"
+
+
+def test_cache_dir_reached_through_a_link_is_checked_where_the_link_leads(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    (tmp_path / "home").mkdir(mode=0o755)
+    (tmp_path / "home" / "cache").symlink_to(shared)
+    assert private_cache_dir(tmp_path / "home" / "cache" / "jvm") is None
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="giving a directory to another user needs root (CI runs as root)"
+)
+def test_cache_dir_below_another_users_directory_is_not_used(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 4242, 4242)  # its owner may rename anything in it, whatever its mode
+    assert private_cache_dir(theirs / "jvm") is None
+
+
+def test_missing_parents_are_made_private_whatever_the_umask(tmp_path):
+    old = os.umask(0o002)
+    try:
+        cache = private_cache_dir(tmp_path / "a" / "b" / "jvm")
+    finally:
+        os.umask(old)
+    assert cache == tmp_path / "a" / "b" / "jvm"
+    assert [os.stat(p).st_mode & 0o777 for p in (cache.parent.parent, cache.parent, cache)] == [0o700] * 3
+
+
 # -- the hook's launch environment -----------------------------------------------------------------
 
 

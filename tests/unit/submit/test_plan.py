@@ -273,7 +273,10 @@ def test_build_plan(tmp_path):
 
 
 def test_unknown_spark_submit_kwargs_are_refused_with_the_valid_ones():
-    with pytest.raises(InvalidTrainingConfig, match=r"spark_submit_kwargs has 'executr_memory'") as e:
+    with pytest.raises(
+        InvalidTrainingConfig,
+        match=r"spark_submit_kwargs .* executr_memory \(did you mean executor_memory\?\)",
+    ) as e:
         _plan(build_spec(spark_submit_kwargs={"executr_memory": "1g"}))
     valid = submit_hook_arguments()
     assert {"executor_memory", "driver_memory", "verbose", "name"} <= valid

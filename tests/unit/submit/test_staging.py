@@ -271,13 +271,31 @@ def test_missing_script_is_refused_before_staging(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_script_with_kwargs_is_refused_before_staging(tmp_path):
+def test_a_scripts_kwargs_become_its_flags_after_its_args(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    kwargs = {"epochs": 3, "lr": 0.1, "amp": True, "resume": False, "tag": None, "offset": "-2"}
+    staged = stage_run(str(script), ["data.csv"], kwargs, base_dir=str(tmp_path), num_processes=1)
+    try:
+        assert staged.spec.script_args == ["data.csv", "--epochs", "3", "--lr", "0.1", "--amp", "--offset=-2"]
+    finally:
+        staged.cleanup()
+    module = stage_run("-m pkg.train", [], {"epochs": 3}, base_dir=str(tmp_path), num_processes=1)
+    try:
+        assert module.spec.script_args == ["--epochs", "3"]
+    finally:
+        module.cleanup()
+
+
+def test_a_scripts_kwargs_without_one_flag_are_refused_before_staging(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("pass\n")
     base = tmp_path / "staging"
     base.mkdir()
-    with pytest.raises(InvalidTrainingConfig, match="kwargs apply to callables only"):
-        stage_run(str(script), [], {"epochs": 3}, base_dir=str(base), num_processes=1)
+    with pytest.raises(
+        InvalidTrainingConfig, match=r"kwargs 'layers' is a list.*args=\['--layers', '1', '2'\]"
+    ):
+        stage_run(str(script), [], {"layers": [1, 2]}, base_dir=str(base), num_processes=1)
     assert list(base.iterdir()) == []
 
 

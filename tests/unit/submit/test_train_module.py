@@ -66,7 +66,7 @@ def test_a_near_miss_of_module_mode_fails_when_the_dag_is_parsed(value) -> None:
         TorchDistributorOperator(task_id="t", train_object=value)
 
 
-def test_a_module_takes_args_as_its_argv_and_refuses_kwargs(tmp_path) -> None:
+def test_a_module_takes_args_then_kwargs_as_flags_as_its_argv(tmp_path) -> None:
     staged = stage_run("-m mypkg.sub.train", ["--lr", 0.5], {}, base_dir=str(tmp_path))
     try:
         assert (staged.spec.kind, staged.spec.entry, staged.spec.script_args) == (
@@ -77,8 +77,13 @@ def test_a_module_takes_args_as_its_argv_and_refuses_kwargs(tmp_path) -> None:
         assert staged.files == []  # nothing shipped: the module is imported on the ranks
     finally:
         staged.cleanup()
-    with pytest.raises(InvalidTrainingConfig, match="pass a module's options in args"):
-        stage_run("-m mypkg.sub.train", [], {"lr": 1}, base_dir=str(tmp_path))
+    staged = stage_run(
+        "-m mypkg.sub.train", ["--x"], {"lr": 1, "verbose": True, "quiet": False}, base_dir=str(tmp_path)
+    )
+    try:
+        assert staged.spec.script_args == ["--x", "--lr", "1", "--verbose"]
+    finally:
+        staged.cleanup()
 
 
 def test_a_package_directory_is_zipped_as_the_package_and_any_other_as_a_source_root(tmp_path) -> None:

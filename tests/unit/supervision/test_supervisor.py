@@ -89,7 +89,7 @@ class Harness:
         self, tmp_path: Path, *, durable: bool, reattach: float, output: bool = True, grace: float = 0.0
     ) -> None:
         self.staging = tmp_path / "torchdist-run"
-        self.staging.mkdir()
+        self.staging.mkdir(mode=0o700)  # as stage_run's mkdtemp makes it: the lifeline is a unix socket
         self.config = SupervisorConfig(
             run_id=RUN,
             durable=durable,
@@ -172,9 +172,11 @@ def stays_up(h: Harness, seconds: float) -> bool:
 def test_the_address_is_published_privately(harness):
     h = harness(durable=True, reattach=5)
     path = h.staging / ADDRESS_FILE
+    socket_path = h.staging / "lifeline.sock"  # loopback: a unix socket in the private staging dir
+    assert stat.S_ISSOCK(socket_path.stat().st_mode)
     assert json.loads(path.read_text()) == {
-        "host": "127.0.0.1",
-        "port": h.port,
+        "host": f"unix:{socket_path}",
+        "port": 0,
         "pid": os.getpid(),
         "start_ticks": process_start_ticks(os.getpid()),
     }
@@ -408,9 +410,7 @@ def test_a_new_owner_replaces_the_old_one(harness):
     h = harness(durable=False, reattach=30)
     old = h.owner()
     new = h.owner(kind="trigger")
-    with pytest.raises(
-        LifelineError, match="another owner \\(trigger, from 127.0.0.1:\\d+\\) took run run-1 over"
-    ):
+    with pytest.raises(LifelineError, match="another owner \\(trigger, from pid \\d+\\) took run run-1 over"):
         list(old.events())
     old.close()
     assert stays_up(h, SILENCE)  # the replaced task's loss is not the run's

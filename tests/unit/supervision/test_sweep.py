@@ -20,6 +20,7 @@ from airflow_provider_torchdist.supervision.sweep import (
     process_start_ticks,
     sweep_stale,
 )
+from tests.unit.conftest import wait_until
 
 
 @pytest.fixture
@@ -133,9 +134,10 @@ def test_agent_dirs_go_when_their_process_is_dead(tmp_path, dead_pid):
     assert live.is_dir() and legacy.is_dir()
 
 
-def test_a_nodes_data_dirs_go_when_their_process_is_dead(tmp_path, dead_pid):
-    dead = tmp_path / f"torchdist-data-{dead_pid}-abc"
-    live = tmp_path / f"torchdist-data-{os.getpid()}-abc"
+@pytest.mark.parametrize("kind", ["data", "connect"])
+def test_a_nodes_data_dirs_go_when_their_process_is_dead(tmp_path, dead_pid, kind):
+    dead = tmp_path / f"torchdist-{kind}-{dead_pid}-abc"
+    live = tmp_path / f"torchdist-{kind}-{os.getpid()}-abc"
     for path in (dead, live):
         path.mkdir()
         (path / "rank-0.arrow").write_bytes(b"x")
@@ -167,3 +169,57 @@ def test_several_bases_are_swept_once_each(tmp_path, dead_pid):
     in_a = staging(a, "torchdist-x", addr_pid=dead_pid)
     in_b = staging(b, f"torchdist-agent-{dead_pid}-y")
     assert sorted(sweep_stale([a, b, a, tmp_path / "missing"])) == sorted([in_a, in_b])
+
+
+#: A real torchrun agent (node 0 of 2, whose peer never comes): it waits in the rendezvous with its
+#: log directory made, until it is killed.
+WAITING_AGENT = """
+from airflow_provider_torchdist.spark.node.launcher import launch_node
+from airflow_provider_torchdist.spark.node.network import free_port
+from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
+
+spec = JobSpec(kind="callable", entry="p", num_processes=2, run_id="r", token="t", rendezvous_timeout=300)
+master = ("127.0.0.1", free_port("127.0.0.1"))
+launch_node(spec, node_rank=0, entry_path="/x", channel_address=("127.0.0.1", 1), host="127.0.0.1",
+            master=master, node_key=bytes(32))
+"""
+
+
+def start_agent(temp_dir: Path) -> subprocess.Popen:
+    env = {**os.environ, "TMPDIR": str(temp_dir)}
+    return subprocess.Popen([sys.executable, "-c", WAITING_AGENT], env=env, cwd=Path(__file__).parents[3])
+
+
+def agent_dirs(temp_dir: Path, agent: subprocess.Popen) -> list[Path]:
+    return list(temp_dir.glob(f"torchdist-agent-{agent.pid}-*"))
+
+
+@pytest.fixture
+def killed_agents_dir(tmp_path: Path) -> Path:
+    """The log directory of a real torchrun agent that was SIGKILLed (its ``finally`` never ran)."""
+    agent = start_agent(tmp_path)
+    try:
+        wait_until(lambda: agent_dirs(tmp_path, agent), 120, "the agent's log dir")
+    finally:
+        agent.kill()
+        agent.wait()
+    [left] = agent_dirs(tmp_path, agent)
+    return left
+
+
+def test_a_sigkilled_agents_dir_goes_in_the_airflow_workers_sweep(killed_agents_dir: Path) -> None:
+    assert sweep_stale(killed_agents_dir.parent) == [killed_agents_dir]
+
+
+def test_a_sigkilled_agents_dir_goes_when_the_next_agent_on_its_host_starts(killed_agents_dir: Path) -> None:
+    """An executor's host has no supervisor: the next node's agent there removes it."""
+    temp_dir = killed_agents_dir.parent
+    agent = start_agent(temp_dir)
+    try:
+        wait_until(lambda: agent_dirs(temp_dir, agent), 120, "the next agent's log dir")
+        assert not killed_agents_dir.exists()  # removed before the new one was made
+        [made] = agent_dirs(temp_dir, agent)
+        assert made.stat().st_mode & 0o777 == 0o700
+    finally:
+        agent.kill()
+        agent.wait()

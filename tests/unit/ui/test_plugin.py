@@ -18,7 +18,12 @@ import pytest
 from airflow_provider_torchdist.supervision.record import TaskBinding
 from airflow_provider_torchdist.ui.figures import charted_records, progress, training_figures
 from airflow_provider_torchdist.ui.plugin import has_external_views
-from airflow_provider_torchdist.ui.task_facts import TaskFacts, metric_history, world_size_of
+from airflow_provider_torchdist.ui.task_facts import (
+    TaskFacts,
+    is_training_task,
+    metric_history,
+    world_size_of,
+)
 
 RUN_ID = "manual__2026-01-01T00:00:00+00:00"
 
@@ -219,6 +224,14 @@ def client(auth: FakeAuthManager):
         {
             ("train_dag", RUN_ID, "train", -1): TaskFacts("success", reports(10), None, 2),
             ("train_dag", RUN_ID, "train", 3): TaskFacts("running", reports(2), None, 4),
+            ("train_dag", RUN_ID, "evaluate", -1): TaskFacts(
+                "success", operator="_PythonDecoratedOperator", custom_operator_name="@task"
+            ),
+            ("train_dag", RUN_ID, "sweep", -1): TaskFacts(
+                "queued",
+                operator="TorchDistributorDecoratedOperator",
+                custom_operator_name="@task.torch_distributor",
+            ),
         }
     )
     plugin_app = TrainingApp()
@@ -256,7 +269,7 @@ def test_a_reader_gets_the_figures_of_the_task_instance(client, auth):
 
     answer = client.get(figures_path(), headers={"Authorization": "Bearer reader-token"})
     assert answer.status_code == 200, answer.text
-    assert answer.json() == training_figures("success", reports(10), 2, "xcom")
+    assert answer.json() == {"training_task": True, **training_figures("success", reports(10), 2, "xcom")}
     assert answer.json()["progress"] == {"step": 9, "total_steps": 10, "fraction": 1.0, "eta_seconds": 0.0}
     # The read is checked as the REST API checks reading task instances and XComs of that DAG.
     assert {(a["method"], a["entity"], a["dag_id"]) for a in auth.asked} == {
@@ -278,7 +291,35 @@ def test_the_ui_cookie_authenticates_too_and_map_index_picks_the_instance(client
 
 def test_an_unknown_task_instance_is_404(client):
     headers = {"Authorization": "Bearer reader-token"}
-    assert client.get(figures_path(task_id="evaluate"), headers=headers).status_code == 404
+    assert client.get(figures_path(task_id="nothing"), headers=headers).status_code == 404
+
+
+def test_a_task_that_is_not_a_training_task_is_said_to_be_one_plainly(client):
+    """Airflow shows the Training tab on every task (an external view cannot be limited to an
+    operator): on a plain ``@task`` the view says it is not a training task, with no figures."""
+    headers = {"Authorization": "Bearer reader-token"}
+    answer = client.get(figures_path(task_id="evaluate"), headers=headers)
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {
+        "training_task": False,
+        "state": "success",
+        "operator": "@task",
+        "message": "'evaluate' is not a training task (its operator is @task): the Training tab shows the "
+        "metrics of TorchDistributorOperator and @task.torch_distributor tasks only.",
+    }
+    sweep = client.get(figures_path(task_id="sweep"), headers=headers).json()
+    assert sweep["training_task"] is True and sweep["state"] == "queued" and sweep["metrics"] == []
+
+
+def test_which_task_instances_are_training_tasks():
+    assert is_training_task(TaskFacts("queued", operator="TorchDistributorOperator"))
+    assert is_training_task(TaskFacts("queued", operator="X", custom_operator_name="@task.torch_distributor"))
+    assert not is_training_task(TaskFacts("success", operator="BashOperator"))
+    # A subclass of the operator under its own name: once it has a run record or metrics.
+    assert not is_training_task(TaskFacts("scheduled", operator="MyTrainer"))
+    assert is_training_task(TaskFacts("running", operator="MyTrainer", run_record={"run_id": "r"}))
+    assert is_training_task(TaskFacts("success", reports(1), operator="MyTrainer"))
+    assert is_training_task(TaskFacts("running"))  # Airflow recorded no operator: nothing says it is not
 
 
 def test_the_page_and_its_files_are_served_under_the_mount(client):
@@ -394,7 +435,7 @@ def asked(monkeypatch):
 
     monkeypatch.setattr(lifeline, "query_status", query_status)
     monkeypatch.setattr(task_facts, "_cache", {})
-    monkeypatch.setattr(task_facts, "_configured_key", lambda: b"k" * 32)
+    monkeypatch.setattr(task_facts, "_view_key", lambda: b"k" * 32)
     return calls
 
 
@@ -414,7 +455,7 @@ def test_the_view_asks_with_the_credential_of_the_task_instance_it_shows(monkeyp
     """A record copied into another task instance's state gets that instance's credential, which
     the run's supervisor refuses: the view never shows one task's run as another's."""
     from airflow_provider_torchdist.supervision import lifeline
-    from airflow_provider_torchdist.supervision.record import owner_secret
+    from airflow_provider_torchdist.supervision.record import status_secret
     from airflow_provider_torchdist.ui import task_facts
 
     secrets: list[bytes] = []
@@ -425,11 +466,12 @@ def test_the_view_asks_with_the_credential_of_the_task_instance_it_shows(monkeyp
 
     monkeypatch.setattr(lifeline, "query_status", query_status)
     monkeypatch.setattr(task_facts, "_cache", {})
-    monkeypatch.setattr(task_facts, "_configured_key", lambda: b"k" * 32)
+    monkeypatch.setattr(task_facts, "_view_key", lambda: b"k" * 32)
     other = TaskBinding("dag", "run", "train", 7)
     task_facts.live_history(_record("127.0.0.1"), TI)
     task_facts.live_history(_record("127.0.0.1"), other)  # not the first answer from the cache
-    assert secrets == [owner_secret("run-a", b"k" * 32, TI), owner_secret("run-a", b"k" * 32, other)]
+    # The status credential (status queries only), never the owner's.
+    assert secrets == [status_secret("run-a", b"k" * 32, TI), status_secret("run-a", b"k" * 32, other)]
 
 
 def test_a_run_that_does_not_answer_is_not_asked_again_at_once(asked):
@@ -447,10 +489,11 @@ def test_a_run_that_does_not_answer_is_not_asked_again_at_once(asked):
 def test_without_a_signing_key_the_api_server_asks_nobody_and_makes_no_key(asked, monkeypatch, tmp_path):
     from airflow_provider_torchdist.ui import task_facts
 
-    monkeypatch.undo()  # the real _configured_key: with no key it must not get as far as asking
+    monkeypatch.undo()  # the real _view_key: with no key it must not get as far as asking
     monkeypatch.setattr(task_facts, "_cache", {})
     monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
     monkeypatch.delenv("AIRFLOW__TORCHDIST__OUTPUT_SIGNING_KEY", raising=False)
-    assert task_facts._configured_key() is None
+    monkeypatch.delenv("AIRFLOW__TORCHDIST__VIEW_STATUS_KEY", raising=False)
+    assert task_facts._view_key() is None
     assert task_facts.live_history(_record("127.0.0.1"), TI) is None
     assert list(tmp_path.iterdir()) == []

@@ -194,7 +194,7 @@ AGENT = textwrap.dedent(
     import os, subprocess, sys, time
     from airflow_provider_torchdist.spark.elastic.task import RestartWatch
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    with RestartWatch(("127.0.0.1", int(sys.argv[1])), 30, "the-run-secret") as watch:
+    with RestartWatch(("127.0.0.1", int(sys.argv[1])), 30, bytes.fromhex(sys.argv[2])) as watch:
         print(worker.pid, flush=True)
         code = worker.wait()
         print(code, watch.restarts, flush=True)
@@ -206,9 +206,9 @@ AGENT = textwrap.dedent(
 
 
 def test_a_bump_of_the_drivers_counter_stops_the_workers_the_agent_had(tmp_path) -> None:
-    store = RendezvousStore("127.0.0.1", timeout=30, token=TOKEN)
+    store = RendezvousStore("127.0.0.1", timeout=30)
     agent = subprocess.Popen(
-        [sys.executable, "-c", AGENT, str(store.address[1])],
+        [sys.executable, "-c", AGENT, str(store.address[1]), store.key.hex()],
         stdout=subprocess.PIPE,
         text=True,
         cwd=os.getcwd(),
@@ -287,7 +287,7 @@ def test_a_rank_killed_while_writing_its_error_file_does_not_fail_its_agent(tmp_
 def test_the_drivers_store_listens_only_on_its_address() -> None:
     import psutil
 
-    store = RendezvousStore("127.0.0.1", timeout=5, token=TOKEN)
+    store = RendezvousStore("127.0.0.1", timeout=5)
     listening = {
         c.laddr
         for c in psutil.Process().net_connections(kind="tcp")
@@ -343,9 +343,9 @@ def test_a_planted_rendezvous_state_is_refused_before_torch_unpickles_it(tmp_pat
         def __reduce__(self):
             return (open, (str(marker), "w"))
 
-    store = RendezvousStore("127.0.0.1", timeout=5, token=TOKEN)
+    store = RendezvousStore("127.0.0.1", timeout=5)
     client = TCPStore("127.0.0.1", store.address[1], is_master=False, timeout=timedelta(seconds=5))
-    backend = SignedBackend(C10dRendezvousBackend(client, "run-1"), run_key(TOKEN, "rendezvous"))
+    backend = SignedBackend(C10dRendezvousBackend(client, "run-1"), run_key(store.key, "rendezvous"))
     assert backend.get_state() is None  # nothing yet
     state, token, written = backend.set_state(b"the agents' state")
     assert (state, written) == (b"the agents' state", True)
@@ -356,10 +356,10 @@ def test_a_planted_rendezvous_state_is_refused_before_torch_unpickles_it(tmp_pat
     with pytest.raises(RendezvousStateError, match="not signed with this run's key"):
         backend.get_state()
     # Signed with another run's key: refused too.
-    other = SignedBackend(C10dRendezvousBackend(client, "run-2"), run_key("another token", "rendezvous"))
+    other = SignedBackend(C10dRendezvousBackend(client, "run-2"), run_key(b"another run's key", "rendezvous"))
     other.set_state(b"x")
     with pytest.raises(RendezvousStateError):
-        SignedBackend(C10dRendezvousBackend(client, "run-2"), run_key(TOKEN, "rendezvous")).get_state()
+        SignedBackend(C10dRendezvousBackend(client, "run-2"), run_key(store.key, "rendezvous")).get_state()
     assert not marker.exists()
 
 
