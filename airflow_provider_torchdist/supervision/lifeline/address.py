@@ -179,11 +179,29 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int] | None:
     return pid, uid
 
 
+def slot_source(address: str) -> str:
+    """Whom a TCP peer at ``address`` counts as for the handshake slots (:mod:`.slots`): its IPv4
+    address (an IPv4-mapped IPv6 one too), the /64 of an IPv6 one (one host may use the whole
+    /64), and ``loopback`` for all of 127.0.0.0/8 and ``::1`` (one machine, any of whose users
+    may bind any loopback address)."""
+    try:
+        ip = ipaddress.ip_address(address.partition("%")[0])  # a link-local address's %zone
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return "loopback"
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
 def peer_source(conn: socket.socket, peer: Any) -> tuple[str | None, str]:
-    """Whom an accepted connection's handshake slot counts against (:mod:`.slots`), and how the log
-    names it: a TCP peer's address; None for a local peer of this user, "" for one of another user."""
+    """Whom an accepted connection's handshake slot counts against (:func:`slot_source`), and how
+    the log names it; None for a local peer of this user, "" for one of another user."""
     if conn.family != socket.AF_UNIX:
-        return peer[0], f"{peer[0]}:{peer[1]}"
+        return slot_source(peer[0]), f"{peer[0]}:{peer[1]}"
     credentials = peer_credentials(conn)
     if credentials is None:
         return None, "a local process"

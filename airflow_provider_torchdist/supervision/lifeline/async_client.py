@@ -98,13 +98,9 @@ class AsyncOwnerConnection:
             return await _read_async(reader, max(0.0, deadline - time.monotonic()))
 
         try:
-            try:
-                writer.write(handshake.hello())
-                await writer.drain()
-                challenge = await receive()
-            except ConnectionResetError as exc:
-                raise handshake.gone(str(exc)) from None
-            writer.write(handshake.answer(challenge))
+            writer.write(handshake.hello())
+            await writer.drain()
+            writer.write(handshake.answer(await receive()))  # a reset: retried (failed()), not gone
             await writer.drain()
             status = handshake.welcome(await receive())
         except BaseException as exc:

@@ -48,12 +48,8 @@ def _connect(
             sock.settimeout(left)
             return read_message(reader)
 
-        try:
-            sock.sendall(handshake.hello())
-            challenge = receive()
-        except ConnectionResetError as exc:
-            raise handshake.gone(str(exc)) from None
-        sock.sendall(handshake.answer(challenge))
+        sock.sendall(handshake.hello())
+        sock.sendall(handshake.answer(receive()))  # a reset: retried (failed() below), not gone
         status = handshake.welcome(receive())
     except BaseException as exc:
         reader.close()

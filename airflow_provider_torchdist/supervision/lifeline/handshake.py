@@ -115,6 +115,8 @@ class _ClientHandshake:
             return exc
         if isinstance(exc, TimeoutError):
             return self.unreachable(f"no handshake within {timeout:g} s")
+        if isinstance(exc, ConnectionError):  # reset or cut mid-handshake: a busy supervisor shuts
+            return self.unreachable(f"the connection broke during the handshake ({exc})")  # the newest
         return LifelineError(f"the lifeline to run {self.run_id} at {self.where} broke: {exc}")
 
     def hello(self) -> bytes:
@@ -131,7 +133,9 @@ class _ClientHandshake:
     def answer(self, msg: dict[str, Any] | None) -> bytes:
         """The supervisor's challenge in, the owner's proof out."""
         if msg is None:
-            raise self.gone("the connection closed before any answer")
+            # Not "gone": a supervisor that is busy (a flood takes slots) closes a connection that
+            # has not spoken yet. A run that is gone refuses the connect; a retry finds out which.
+            raise self.unreachable("the connection closed before the challenge")
         if "error" in msg:
             text = msg["error"] if isinstance(msg["error"], str) else repr(msg["error"])
             if msg.get("code") == "wrong_run":  # another run's supervisor took the port: ours is not there
@@ -153,7 +157,7 @@ class _ClientHandshake:
     def welcome(self, msg: dict[str, Any] | None) -> RunStatus:
         """The supervisor's proof and the run's status, checked."""
         if msg is None:
-            raise LifelineError(f"the supervisor at {self.where} closed the lifeline during the handshake")
+            raise self.unreachable("the connection closed before the welcome")
         if "error" in msg:
             raise LifelineError(
                 f"the supervisor at {self.where} refused the lifeline to run {self.run_id}: {msg['error']}"

@@ -89,7 +89,7 @@ class LifelineServer:
         self._sock, self.address = listen_lifeline(bind_host)
         self._sock.settimeout(0.25)
         self._unix_path = unix_path(self.address[0])
-        self._slots = HandshakeSlots(max_pending, max_per_source)
+        self._slots = HandshakeSlots(max_pending, max_per_source, farewell=encode(_BUSY))
         self._lock = threading.Lock()
         self._sessions: set[OwnerSession] = set()
         self._connections: set[socket.socket] = set()
@@ -191,13 +191,15 @@ class LifelineServer:
         refusal."""
         deadline = time.monotonic() + self.hello_timeout
 
-        def receive() -> dict[str, Any]:
+        def receive(first: bool = False) -> dict[str, Any]:
             # Each line the owner owes is due soon (it sends it at once), all of them by the deadline.
             line_deadline = min(deadline, time.monotonic() + self.line_timeout)
-            return decode(read_line(conn, line_deadline, _MAX_HELLO_BYTES))
+            # The first, its hello, through the slots: once it is here, no newcomer takes its slot.
+            read = self._slots.hear_hello if first else read_line
+            return decode(read(conn, line_deadline, _MAX_HELLO_BYTES))
 
         try:
-            hello = receive()
+            hello = receive(first=True)
             version = hello.get("v")
             if not _is_int(version) or version != LIFELINE_VERSION:
                 self._refuse(

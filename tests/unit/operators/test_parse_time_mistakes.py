@@ -12,7 +12,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from airflow.dag_processing.dagbag import DagBag
+try:
+    from airflow.dag_processing.dagbag import DagBag
+except ImportError:  # Airflow before 3.1 (the lowest-versions run)
+    from airflow.models.dagbag import DagBag
 
 from airflow_provider_torchdist import TorchDistributorHook, TorchDistributorOperator
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, UnknownArgument

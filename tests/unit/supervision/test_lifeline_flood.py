@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
+from airflow_provider_torchdist.spark.wire.channel_auth import HelloRefused
 from airflow_provider_torchdist.supervision.lifeline import (
     AsyncOwnerConnection,
     LifelineServer,
@@ -34,8 +35,10 @@ from airflow_provider_torchdist.supervision.lifeline import (
 from airflow_provider_torchdist.supervision.lifeline.address import (
     UnsafeLifelineSocket,
     lifeline_bind,
+    slot_source,
     unix_host,
 )
+from airflow_provider_torchdist.supervision.lifeline.retry import retry_unreachable
 from airflow_provider_torchdist.supervision.lifeline.slots import HandshakeSlots
 from airflow_provider_torchdist.supervision.record import RunRecord
 from airflow_provider_torchdist.supervision.task_side import GONE, connect_owner, run_state
@@ -101,6 +104,51 @@ class Flood:
             sock.close()
 
 
+class Relay:
+    """A TCP relay on 127.0.0.1 that holds each chunk for ``delay`` s before passing it on, as a
+    network between an owner and its supervisor does (it connects on to the supervisor at once)."""
+
+    def __init__(self, target: tuple[str, int], delay: float) -> None:
+        self.target, self.delay = target, delay
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self._listener.getsockname()[:2]
+        self._open: list[socket.socket] = []
+
+    def __enter__(self) -> Relay:
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._listener.close()
+        for sock in self._open:
+            sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(self.target)
+            self._open += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while chunk := source.recv(65536):
+                time.sleep(self.delay)  # the latency this relay stands for, not a wait for anything
+                sink.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
 @pytest.fixture
 def served():
     servers: list[LifelineServer] = []
@@ -123,14 +171,15 @@ def served():
 @pytest.mark.parametrize(
     ("sources", "width"),
     [(["127.0.0.2"], 20), ([f"127.0.0.{i}" for i in range(2, 10)], 3)],
-    ids=["one source", "eight sources"],
+    ids=["one source", "eight loopback addresses"],
 )
 def test_a_connection_flood_cannot_keep_the_owner_out(served, sources, width, trickle):
-    """Old code: 16 slots, held for 10 s each, from anywhere: 0 owners got in (the proof's 0 of 230)."""
+    """Old code: 16 slots, held for 10 s each, from anywhere: 0 owners got in (the proof's 0 of 230).
+    All of loopback is one source, the owner's own (127.0.0.1) included: its hello, sent at once,
+    keeps its slot, while the flood's own silent connections make room for it."""
     server = served()
     with Flood(server.address, sources, width=width, trickle=trickle):
-        # The flood holds all the slots its sources may have: 4 per source, 16 in all.
-        wait_until(lambda: server.pending >= min(16, 4 * len(sources)), what="the flood to hold its slots")
+        wait_until(lambda: server.pending == 16, what="the flood to hold every slot")
         for _ in range(3):  # while it goes on, an owner gets in at once, every time
             started = time.monotonic()
             with OwnerConnection(*server.address, RUN, SECRET, timeout=5) as owner:
@@ -139,39 +188,162 @@ def test_a_connection_flood_cannot_keep_the_owner_out(served, sources, width, tr
         assert server.pending <= 16
 
 
-def test_a_connection_that_says_nothing_frees_its_slot_after_the_line_deadline(served):
-    server = served(line_timeout=0.3, hello_timeout=10.0)
-    sock = socket.create_connection(server.address, timeout=5)
-    started = time.monotonic()
-    assert sock.recv(100) == b""  # closed long before the handshake's 10 s
-    assert time.monotonic() - started < 3
-    sock.close()
-    wait_until(lambda: server.pending == 0, what="the slot to be free")
+def test_a_flood_from_many_loopback_addresses_cannot_push_out_a_distant_owner(served):
+    """Review of issue 40: 32 loopback addresses held a slot each, so the owner (behind a relay that
+    delays each chunk, as a network does) took the oldest's slot and lost its own to the next
+    newcomer before its hello crossed: it read an end of stream, RunGone, for a live run. Now all
+    of loopback is one source, a newcomer takes a silent connection's slot drawn at random among
+    the 16 (not the oldest: the owner's, by then), a connection that has spoken keeps its slot,
+    one that loses it hears ``busy``, and the owner tries again."""
+    server = served()
+    flood_from = [f"127.0.{i // 250}.{i % 250 + 2}" for i in range(32)]
+    with (
+        Relay(server.address, delay=0.02) as relay,
+        Flood(server.address, flood_from, 1, trickle=False) as flood,
+    ):
+        wait_until(
+            lambda: flood.busy + flood.dropped > 20, what="the flood to churn (it takes its own slots)"
+        )
+        for _ in range(3):
+            started = time.monotonic()
+            owner = retry_unreachable(lambda: OwnerConnection(*relay.address, RUN, SECRET, timeout=5), 10.0)
+            with owner:
+                assert owner.status.state == "starting"
+            assert time.monotonic() - started < 8.0
+        assert server.pending <= 16
 
 
-def test_one_source_gets_at_most_its_share_and_a_newcomer_takes_the_busiest_sources_oldest():
-    pairs = [socket.socketpair() for _ in range(5)]
-    conns = [a for a, _ in pairs]
-    slots = HandshakeSlots(total=4, per_source=3)
-    assert all(slots.admit("10.0.0.1", c) for c in conns[:3])
-    assert not slots.admit("10.0.0.1", conns[3])  # its share is 3
-    assert slots.admit("10.0.0.2", conns[3]) and len(slots) == 4
-    assert slots.admit("10.0.0.3", conns[4])  # full: the busiest source's oldest makes room
-    assert pairs[0][1].recv(10) == b""  # conns[0] was shut down
-    assert not slots.leave(conns[0])  # its handshake finds its slot gone: it serves nobody
-    assert slots.leave(conns[4]) and len(slots) == 3
-    for a, b in pairs:
+def test_a_flood_from_the_owners_own_address_cannot_keep_it_out(served):
+    """Review of issue 40: 4 silent connections from 127.0.0.1, refilled at once, filled its cap and
+    every owner from there heard ``busy`` until its retries ran out. Now, all slots held, a newcomer
+    from a source at its cap takes one of that source's own silent connections' slots."""
+    server = served()
+    with Flood(server.address, ["127.0.0.1"], width=20, trickle=False):
+        wait_until(lambda: server.pending == 16, what="the flood to hold every slot")
+        for _ in range(3):
+            started = time.monotonic()
+            with retry_unreachable(
+                lambda: OwnerConnection(*server.address, RUN, SECRET, timeout=5), 5.0
+            ) as owner:
+                assert owner.status.state == "starting"
+            assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize("client", ["sync", "async"])
+@pytest.mark.parametrize("closes", ["before the challenge", "before the welcome"])
+def test_a_connection_closed_mid_handshake_is_worth_another_try_not_a_gone_run(client, closes):
+    """Review of issue 40: an end of stream before the challenge was RunGone (the task ended a live
+    run as lost), before the welcome a LifelineError; a busy supervisor closes such connections."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def supervisor_that_closes() -> None:
+        conn, _ = listener.accept()
+        with conn, conn.makefile("rb") as reader:
+            reader.readline()  # the hello
+            if closes == "before the welcome":
+                conn.sendall(b'{"nonce": "' + b"0" * 32 + b'"}\n')
+                reader.readline()  # the proof
+
+    answering = threading.Thread(target=supervisor_that_closes, daemon=True)
+    answering.start()
+
+    async def connect_async() -> None:
+        await AsyncOwnerConnection.connect("127.0.0.1", port, RUN, SECRET, timeout=5)
+
+    with pytest.raises(LifelineUnreachable, match=f"closed {closes}"):
+        if client == "sync":
+            OwnerConnection("127.0.0.1", port, RUN, SECRET, timeout=5)
+        else:
+            asyncio.run(connect_async())
+    answering.join(5)
+    listener.close()
+
+
+@pytest.mark.parametrize(
+    ("address", "source"),
+    [
+        ("127.0.0.1", "loopback"),
+        ("127.45.0.9", "loopback"),
+        ("::1", "loopback"),
+        ("::ffff:127.0.0.3", "loopback"),
+        ("::ffff:10.1.2.3", "10.1.2.3"),
+        ("10.1.2.3", "10.1.2.3"),
+        ("2001:db8:1:2:aaaa::1", "2001:db8:1:2::/64"),
+        ("2001:db8:1:2:ffff:ffff:ffff:ffff", "2001:db8:1:2::/64"),
+        ("fe80::1%eth0", "fe80::/64"),
+    ],
+)
+def test_sources_are_counted_by_host_prefix(address, source):
+    assert slot_source(address) == source
+
+
+def pairs(n: int) -> list[tuple[socket.socket, socket.socket]]:
+    made = [socket.socketpair() for _ in range(n)]
+    for server_end, _ in made:
+        server_end.settimeout(2)
+    return made
+
+
+def test_when_all_are_held_a_newcomer_from_a_source_at_its_cap_takes_one_of_its_own_silent_slots():
+    conns = pairs(6)
+    slots = HandshakeSlots(total=3, per_source=2, farewell=b'{"code": "busy"}\n')
+    assert all(slots.admit("10.0.0.1", a) for a, _ in conns[:3])  # room: past its share of 2
+    conns[0][1].sendall(b'{"v": 1,')  # part of a hello: after the silent ones
+    assert slots.admit("10.0.0.1", conns[3][0]) and len(slots) == 3
+    (taken,) = [i for i in (1, 2) if not slots.leave(conns[i][0])]  # a silent one's, not conns[0]'s
+    assert conns[taken][1].recv(100) == b'{"code": "busy"}\n' and conns[taken][1].recv(100) == b""
+    assert slots.leave(conns[0][0]) and len(slots) == 1  # conns[3] alone
+    assert slots.admit("10.0.0.2", conns[4][0]) and len(slots) == 2  # another source: room
+    for a, b in conns:
         a.close()
         b.close()
 
 
-def test_when_no_source_is_busier_a_newcomer_is_turned_away():
-    pairs = [socket.socketpair() for _ in range(3)]
+def test_one_source_keeps_at_most_its_share_of_hellos_out_of_reach():
+    conns = pairs(3)
+    slots = HandshakeSlots(total=16, per_source=2, farewell=b"busy\n")
+    for server_end, client_end in conns:
+        assert slots.admit("10.0.0.1", server_end)
+        client_end.sendall(b'{"hello": 1}\n')
+    for server_end, _ in conns[:2]:
+        assert slots.hear_hello(server_end, time.monotonic() + 2, 4096) == b'{"hello": 1}\n'
+    with pytest.raises(HelloRefused, match="as many hellos"):
+        slots.hear_hello(conns[2][0], time.monotonic() + 2, 4096)
+    assert conns[2][1].recv(100) == b"busy\n"
+    for a, b in conns:
+        a.close()
+        b.close()
+
+
+def test_a_connection_whose_hello_has_arrived_keeps_its_slot():
+    conns = pairs(5)
     slots = HandshakeSlots(total=2, per_source=2)
-    assert slots.admit("10.0.0.1", pairs[0][0]) and slots.admit("10.0.0.2", pairs[1][0])
-    assert not slots.admit("10.0.0.1", pairs[2][0])  # every source holds as many as its own
-    assert not slots.admit(None, pairs[2][0])  # a local one never takes another's slot
-    for a, b in pairs:
+    assert slots.admit("10.0.0.1", conns[0][0]) and slots.admit("10.0.0.1", conns[1][0])
+    conns[0][1].sendall(b'{"hello": 1}\nmore')  # arrived in full, not read yet
+    conns[1][1].sendall(b'{"hello": 2}\n')
+    assert slots.hear_hello(conns[1][0], time.monotonic() + 2, 4096) == b'{"hello": 2}\n'
+    assert not slots.admit("10.0.0.1", conns[2][0])  # both have spoken: the newcomer hears busy
+    assert not slots.admit("10.0.0.2", conns[2][0])  # full, and nothing to take from anyone
+    assert not slots.admit(None, conns[2][0])  # a local one never takes another's slot
+    assert slots.hear_hello(conns[0][0], time.monotonic() + 2, 4096) == b'{"hello": 1}\n'
+    assert conns[0][0].recv(10) == b"more"  # what follows the hello stays for the next reader
+    for a, b in conns:
+        a.close()
+        b.close()
+
+
+def test_when_all_slots_are_held_a_newcomer_takes_the_busiest_sources_oldest_silent_one():
+    conns = pairs(7)
+    slots = HandshakeSlots(total=4, per_source=3)
+    assert all(slots.admit("10.0.0.1", a) for a, _ in conns[:3])
+    assert slots.admit("10.0.0.2", conns[3][0]) and len(slots) == 4
+    assert slots.admit("10.0.0.3", conns[4][0])  # full: one of the busiest source's makes room
+    assert slots.admit("10.0.0.2", conns[5][0])  # 10.0.0.1 still holds more than 10.0.0.2
+    assert [slots.leave(a) for a, _ in conns[:3]].count(False) == 2 and len(slots) == 3
+    assert slots.admit("10.0.0.1", conns[0][0]) and len(slots) == 4
+    assert not slots.admit("10.0.0.2", conns[6][0])  # it holds 2, no source more: busy
+    for a, b in conns:
         a.close()
         b.close()
 
