@@ -40,7 +40,10 @@ FROM_THE_CALL = ("train_object", "args", "kwargs")
 
 def _context_keys() -> frozenset[str]:
     """The names Airflow fills from the task context in a plain ``@task`` (``ti``, ``ds``, ...)."""
-    from airflow.sdk.definitions.context import KNOWN_CONTEXT_KEYS
+    try:
+        from airflow.sdk.definitions.context import KNOWN_CONTEXT_KEYS
+    except ImportError:  # Airflow 3.0 keeps them here
+        from airflow.utils.context import KNOWN_CONTEXT_KEYS
 
     return frozenset(KNOWN_CONTEXT_KEYS)
 
@@ -120,7 +123,12 @@ class TorchDistributorDecoratedOperator(DecoratedOperator, TorchDistributorOpera
         # reads as ``task.train_kwargs``, as for the operator.
         self.train_args = list(self.op_args)
         self.train_kwargs = dict(self.op_kwargs)
-        return super().execute(context)  # DecoratedOperator's, which runs the operator's execute
+        # The operator's own execute, not DecoratedOperator's: that one only adds asset inlets and
+        # handles multiple_outputs (always off here), and on Airflow 3.0 it calls a missing xcom_push.
+        from airflow.sdk.definitions.asset import Asset
+
+        self.inlets.extend(a for a in (*self.op_args, *self.op_kwargs.values()) if isinstance(a, Asset))
+        return TorchDistributorOperator.execute(self, context)
 
 
 _MULTIPLE_OUTPUTS = (

@@ -124,7 +124,10 @@ def test_a_mapped_call_renders_each_trials_arguments_without_calling_the_functio
 
 
 def test_it_serializes_with_the_dag_mapped_or_not() -> None:
-    from airflow.serialization.serialized_objects import DagSerialization
+    try:
+        from airflow.serialization.serialized_objects import DagSerialization
+    except ImportError:  # Airflow 3.0
+        from airflow.serialization.serialized_objects import SerializedDAG as DagSerialization
 
     @task
     def prepare() -> str:

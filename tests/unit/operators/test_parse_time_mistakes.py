@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 try:
     from airflow.dag_processing.dagbag import DagBag
 except ImportError:  # Airflow before 3.1 (the lowest-versions run)

@@ -64,6 +64,16 @@ print("RESULTS " + json.dumps(results))
 """
 
 
+#: Airflow 3.0 loads a provider's declared options (what makes them sensitive, so what lets their
+#: ``_CMD``/``_SECRET`` forms resolve) only in its own entry points, and its LocalFilesystemBackend
+#: holds no config values: there a set ``_CMD`` is refused (never a made-up key) but not resolved.
+#: docs/security.md says so; these tests hold the 3.1+ behaviour.
+pytestmark = pytest.mark.skipif(
+    tuple(int(p) for p in __import__("airflow").__version__.split(".")[:2]) < (3, 1),
+    reason="Airflow 3.0 resolves no _CMD/_SECRET form of a provider's option (see docs/security.md)",
+)
+
+
 def run_airflow(
     tmp_path: Path, cases: dict[str, dict[str, str]], cfg: str, show: tuple[str, ...] = ()
 ) -> dict[str, Any]:
