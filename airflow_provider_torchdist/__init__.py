@@ -3,7 +3,8 @@
 Public names: :class:`TorchDistributorOperator`, :class:`TorchDistributorHook`, :func:`load_output`,
 :func:`output_origin`, :func:`torch_distributor_task` (``@task.torch_distributor``),
 and for training code :func:`report`, :func:`save_checkpoint`, :func:`load_latest_checkpoint`
-and :func:`checkpoint_dir`, :func:`stop_requested` (the run is being stopped: checkpoint and
+and :func:`checkpoint_dir` / :func:`checkpoint_uri`, :func:`load_checkpoint` (a downstream task opens a
+kept checkpoint), :func:`stop_requested` (the run is being stopped: checkpoint and
 return), :func:`set_output` (a script's rank 0 hands a value on), and for reading ``train_data`` in a rank :func:`rank_shard` (a
 memory-mapped ``pyarrow.Table``) and :func:`rank_batches` (dicts of tensors).
 They load lazily, so the Spark side (``airflow_provider_torchdist.spark``), which ships to the
@@ -20,6 +21,8 @@ __all__ = [
     "TorchDistributorHook",
     "TorchDistributorOperator",
     "checkpoint_dir",
+    "checkpoint_uri",
+    "load_checkpoint",
     "load_latest_checkpoint",
     "load_output",
     "output_origin",
@@ -39,6 +42,8 @@ _LAZY = {
     "output_origin": "airflow_provider_torchdist.outputs.results",
     "report": "airflow_provider_torchdist.spark.node.metrics",
     "checkpoint_dir": "airflow_provider_torchdist.spark.node.checkpoints",
+    "checkpoint_uri": "airflow_provider_torchdist.spark.node.checkpoints",
+    "load_checkpoint": "airflow_provider_torchdist.operators.checkpoint_registry",
     "save_checkpoint": "airflow_provider_torchdist.spark.node.checkpoints",
     "load_latest_checkpoint": "airflow_provider_torchdist.spark.node.checkpoints",
     "rank_shard": "airflow_provider_torchdist.spark.data.rank_data",
@@ -51,11 +56,13 @@ _LAZY = {
 if TYPE_CHECKING:
     from airflow_provider_torchdist.decorators.torch_distributor import torch_distributor_task
     from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
+    from airflow_provider_torchdist.operators.checkpoint_registry import load_checkpoint
     from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
     from airflow_provider_torchdist.outputs.results import load_output, output_origin
     from airflow_provider_torchdist.spark.data.rank_data import rank_batches, rank_shard
     from airflow_provider_torchdist.spark.node.checkpoints import (
         checkpoint_dir,
+        checkpoint_uri,
         load_latest_checkpoint,
         save_checkpoint,
     )

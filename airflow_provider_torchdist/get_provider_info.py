@@ -26,6 +26,17 @@ CONFIG: dict[str, Any] = {
                 "default": None,
                 "sensitive": True,
             },
+            "checkpoint_runs_kept": {
+                "description": "How many DAG runs' default checkpoint directories "
+                "($AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>) a task keeps: when a run "
+                "succeeds, the directories of older finished runs of the same task beyond this many "
+                "(this run included) are removed. Unfinished runs' are kept (a retry resumes them); a "
+                "checkpoint_dir you set is never pruned this way. 0: keep all.",
+                "version_added": "0.1.0",
+                "type": "integer",
+                "example": None,
+                "default": "3",
+            },
             "view_status_key": {
                 "description": "What the API server's Training view asks running supervisors for their "
                 "status with: a key derived from output_signing_key for status queries only "
@@ -55,6 +66,15 @@ CONFIG: dict[str, Any] = {
                 "version_added": "0.1.0",
                 "type": "string",
                 "example": "10.0.0.12, worker-2",
+                "default": "",
+            },
+            "mlflow_conn_id": {
+                "description": "The mlflow connection every TorchDistributorOperator logs its run to "
+                "when it sets no mlflow_conn_id of its own (docs/tracking.md); empty: no tracking. Needs "
+                'pip install "airflow-provider-torchdist[mlflow]" on the workers and DAG processors.',
+                "version_added": "0.1.0",
+                "type": "string",
+                "example": "mlflow_default",
                 "default": "",
             },
             "supervisor_start": {
@@ -159,13 +179,38 @@ def get_provider_info() -> dict[str, Any]:
                         "schema": {"type": ["string", "null"], "default": "spark-submit"},
                     },
                 },
-            }
+            },
+            {
+                # mlflow_conn_id (docs/tracking.md): the tracking server a training task logs its run to.
+                "connection-type": "mlflow",
+                "hook-class-name": "airflow_provider_torchdist.operators.tracking.hook.MlflowTrackingHook",
+                "hook-name": "MLflow tracking server",
+                "ui-field-behaviour": {
+                    "hidden-fields": ["schema"],
+                    "relabeling": {"host": "Tracking URI"},
+                    "placeholders": {"host": "http://mlflow.internal:5000", "port": "(in the URI)"},
+                },
+                "conn-fields": {
+                    "token": {
+                        "label": "Bearer token",
+                        "description": "Sent as MLFLOW_TRACKING_TOKEN (instead of login/password).",
+                        "schema": {"type": ["string", "null"]},
+                        "sensitive": True,
+                    },
+                    "experiment_name": {
+                        "label": "Experiment",
+                        "description": "The MLflow experiment the runs go to (default: the DAG id).",
+                        "schema": {"type": ["string", "null"]},
+                    },
+                },
+            },
         ],
         # The buttons on a train task instance (TorchDistributorOperator.operator_extra_links).
         "extra-links": [
             "airflow_provider_torchdist.links.SparkUILink",
             "airflow_provider_torchdist.links.SparkMasterAppLink",
             "airflow_provider_torchdist.links.SparkHistoryServerLink",
+            "airflow_provider_torchdist.links.MlflowRunLink",
         ],
         # @task.torch_distributor: Airflow's ``task`` object finds it here.
         "task-decorators": [

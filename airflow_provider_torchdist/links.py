@@ -1,5 +1,5 @@
-"""Extra links on a training task: the run's Spark UI, its page on a standalone master, and its
-page on the Spark history server.
+"""Extra links on a training task: the run's Spark UI, its page on a standalone master, its
+page on the Spark history server, and its MLflow run (with ``mlflow_conn_id``).
 
 The operator pushes the URLs to XCom as soon as the driver reports them, so the buttons work
 while the task runs (extra links are otherwise only computed at task end). The Spark UI is the
@@ -18,8 +18,10 @@ from airflow.providers.common.compat.sdk import BaseOperatorLink, XCom
 SPARK_UI_XCOM_KEY = "spark_ui_url"
 SPARK_MASTER_APP_XCOM_KEY = "spark_master_app_url"
 SPARK_HISTORY_XCOM_KEY = "spark_history_url"
+#: The task instance's MLflow run page (``mlflow_conn_id``), pushed at task start.
+MLFLOW_RUN_XCOM_KEY = "mlflow_run_url"
 #: Every link's key; an empty URL under one means "no such page" (the link shows nothing).
-LINK_XCOM_KEYS = (SPARK_UI_XCOM_KEY, SPARK_MASTER_APP_XCOM_KEY, SPARK_HISTORY_XCOM_KEY)
+LINK_XCOM_KEYS = (SPARK_UI_XCOM_KEY, SPARK_MASTER_APP_XCOM_KEY, SPARK_HISTORY_XCOM_KEY, MLFLOW_RUN_XCOM_KEY)
 
 
 @dataclass(frozen=True)
@@ -94,3 +96,12 @@ class SparkHistoryServerLink(BaseOperatorLink):
 
     def get_link(self, operator: Any, *, ti_key: Any) -> str:
         return XCom.get_value(ti_key=ti_key, key=SPARK_HISTORY_XCOM_KEY) or ""
+
+
+class MlflowRunLink(BaseOperatorLink):
+    """The task instance's run in the MLflow UI (``mlflow_conn_id``; see docs/tracking.md)."""
+
+    name = "MLflow run"
+
+    def get_link(self, operator: Any, *, ti_key: Any) -> str:
+        return XCom.get_value(ti_key=ti_key, key=MLFLOW_RUN_XCOM_KEY) or ""

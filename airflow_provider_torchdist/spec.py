@@ -40,10 +40,16 @@ DEFAULT_MAX_XCOM_OUTPUT_BYTES = 4 * 1024 * 1024
 #: ``lineage``: what of the task's OpenLineage identity the Spark application gets, which needs the
 #: task's context), or neither on the Spark side (``submit``: spark-submit's).
 RUN, XCOM, OWNER, LINEAGE, SUBMIT = "run", "xcom", "owner", "lineage", "submit"
+#: ``tracking``: where the operator logs the run in MLflow (the task's side only: the ranks need no
+#: credentials and no route to the tracking server).
+TRACKING = "tracking"
 #: ``reattach_timeout``'s default: how long a run waits for a new owner (10 minutes).
 DEFAULT_REATTACH_TIMEOUT = 600.0
 #: ``stop_grace_period``'s default: what SageMaker and Kubernetes give a stopped job (30 s).
 DEFAULT_STOP_GRACE_PERIOD = 30.0
+#: ``hang_timeout``'s default (5 minutes): longer than any one call a healthy step blocks in,
+#: shorter than torch's own collective timeouts (NCCL 10 minutes, gloo 30); see docs/hangs.md.
+DEFAULT_HANG_TIMEOUT = 300.0
 
 
 def setting(default: Any, doc: str, *, templated: bool = False, scope: str = RUN, check: str = "") -> Any:
@@ -136,9 +142,44 @@ class TrainingSpec:
         None,
         "the directory every rank finds in ``TORCHDIST_CHECKPOINT_DIR`` (``save_checkpoint`` / "
         "``load_latest_checkpoint``); the operator's default is "
-        "``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>``, the same for every try.",
+        "``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>``, the same for every try. A local "
+        "path or any fsspec URI (``s3://bucket/prefix``, ``gs://``, ``abfs://``, ``file:///``); see "
+        "docs/checkpoints.md.",
         templated=True,
         check="checkpoint_dir",
+    )
+    checkpoint_conn_id: str | None = setting(
+        None,
+        "an Airflow connection whose credentials the ranks use for a remote ``checkpoint_dir`` "
+        "(resolved on the worker into fsspec storage options, which reach the ranks in the 0600 "
+        "``spec.json``); default: the executors' own (instance role, workload identity).",
+        templated=True,
+        check="optional_str",
+    )
+    resume_from: str | None = setting(
+        None,
+        'resume a checkpoint another DAG run wrote: ``"latest"`` (the newest in ``checkpoint_dir``) or '
+        "one checkpoint's URI (from the ``checkpoints`` XCom). Default: a run resumes only its own "
+        "checkpoints (an earlier try of the same DAG run's task), and says so in the log.",
+        templated=True,
+        check="resume_from",
+    )
+    checkpoint_keep_last: int = setting(
+        2, "how many of the newest checkpoints of a task's DAG run are kept.", check="non_negative_int"
+    )
+    checkpoint_keep_best: int = setting(
+        0,
+        "how many of the best checkpoints by ``checkpoint_metric`` are kept besides the newest.",
+        check="non_negative_int",
+    )
+    checkpoint_metric: str | None = setting(
+        None,
+        'the ``save_checkpoint(..., metrics={...})`` metric that ranks checkpoints (``"val_loss"``): '
+        "``checkpoint_keep_best`` keeps the best by it and the ``checkpoints`` XCom lists them best first.",
+        check="optional_str",
+    )
+    checkpoint_mode: str = setting(
+        "min", '``"min"`` (lower is better) or ``"max"`` for ``checkpoint_metric``.', check="checkpoint_mode"
     )
     staging_dir: str | None = setting(
         None,
@@ -230,6 +271,16 @@ class TrainingSpec:
         templated=True,
         check="stop_signal",
     )
+    hang_timeout: float | None = setting(
+        DEFAULT_HANG_TIMEOUT,
+        "seconds a rank may go without progress (a ``report()``, a ``stop_requested()``, a callback's "
+        "step, or any move of its main thread in the Python code) before the run counts as hung: "
+        "every rank's stacks reach the task log with the suspect ranks named, the run gets the "
+        "graceful stop, and the task fails with ``TrainingHung``. At least 10; ``None`` or ``0``: "
+        "no hang watchdog. See docs/hangs.md.",
+        templated=True,
+        check="hang_timeout",
+    )
     openlineage_inject_parent_job_info: bool | None = setting(
         None,
         "with ``apache-airflow-providers-openlineage`` installed, give the Spark application this "
@@ -248,6 +299,24 @@ class TrainingSpec:
         "(default: ``[openlineage] spark_inject_transport_info``).",
         scope=LINEAGE,
         check="optional_bool",
+    )
+    mlflow_conn_id: str | None = setting(
+        None,
+        "an ``mlflow`` connection (host: the tracking URI; login/password: basic auth; extra "
+        "``token``: a bearer token): the task instance becomes one MLflow run with the run's "
+        "``report()`` metrics, params and tags, continued by a retry; mapped instances are child "
+        "runs of one parent. Needs ``airflow-provider-torchdist[mlflow]``. See docs/tracking.md "
+        "(default: ``[torchdist] mlflow_conn_id``; empty: no tracking).",
+        templated=True,
+        scope=TRACKING,
+        check="optional_str",
+    )
+    mlflow_log_model: bool = setting(
+        False,
+        "with ``mlflow_conn_id``: log rank 0's returned model (a ``torch.nn.Module`` or a state "
+        "dict) as the MLflow run's model artifact ``model``; see docs/tracking.md.",
+        scope=TRACKING,
+        check="bool",
     )
     py_files: list[str] = setting(
         [],

@@ -58,11 +58,20 @@ def _spark_stop(results: dict[str, Any], _: str | None) -> str:
     return f"{phases['sc_stop'] + phases['driver_exit'] + phases['jvm_exit']:.2f} s"
 
 
+def _tracking_ratio(results: dict[str, Any], _: str | None) -> str:
+    """Steady-state steps/s with MLflow tracking on over off (``bench/tracking.py``): ``0.995 x``."""
+    ratio = results.get("tracking", {}).get("ratio")
+    if ratio is None:
+        raise UnknownFigure("bench/results/latest.json has no tracking section with a ratio")
+    return f"{ratio:.3f} x"
+
+
 #: Every figure a page may quote, by name.
 FIGURES: dict[str, Callable[[dict[str, Any], str | None], str]] = {
     "launch-ratio": _launch_ratio,
     "supervisor-exec-cost": _supervisor_exec_cost,
     "spark-stop": _spark_stop,
+    "tracking-ratio": _tracking_ratio,
 }
 
 

@@ -860,6 +860,49 @@ def _steady_state(sec: dict[str, Any]) -> list[str]:
     )
 
 
+def _tracking(sec: dict[str, Any]) -> list[str]:
+    """Steady-state steps/s with MLflow tracking on and off (``bench/tracking.py``)."""
+    names = {"off": "operator in `dag.test()`, no `mlflow_conn_id`", "on": "the same, `mlflow_conn_id` set"}
+    lines = [
+        "### Experiment tracking on and off",
+        "",
+        f"`python bench/tracking.py --rounds {sec['rounds']}`: the operator in `dag.test()`, local_mode=True, "
+        f"2 ranks, training the MLP of the throughput benchmark with a `report(loss=...)` at every step; the "
+        f"function times {sec['windows']} windows of {sec['steps']} steps after {sec['warmup_steps']} warm-up "
+        "steps (launch excluded) and rank 0's median window counts. With tracking on, the task logs every "
+        "value to a real MLflow tracking server (`mlflow server`, SQLite store, on this machine, started "
+        "once before the rounds) while the ranks train. Off and on run interleaved, after one uncounted "
+        "warm-up round.",
+        "",
+    ]
+    rows = [
+        [
+            names.get(name, name),
+            _s(st["median_steps_per_s"], 1),
+            _s(st["max_steps_per_s"], 1),
+            _s(st["median_dag_run_s"]),
+            f"{st['n']}/{sec['rounds']}",
+            _load(sec["samples"][name]),
+        ]
+        for name, st in sec["stats"].items()
+    ]
+    runs = sec.get("mlflow_runs", [])
+    logged = ", ".join(str(r["loss_values"]) for r in runs) or "none"
+    paired = ", ".join(_s(r, 3) for r in sec.get("paired_ratios", []))
+    return (
+        lines
+        + _table(["variant", "median steps/s", "best", "dag.test() s", "ok", "load"], rows)
+        + [
+            "",
+            f"On / off, steps/s: {_s(sec['ratio'], 3)} (goal >= {sec['goal']}: {_verdict(sec['met'])}); "
+            f"per round: {paired or '–'}. The MLflow runs of the tracked DAG (warm-up included) hold "
+            f"{logged} `loss` values, {sec['expected_loss_values']} reported each "
+            f"({'all logged' if sec.get('tracked') else '**not all logged**'}).",
+            "",
+        ]
+    )
+
+
 def render(results: dict[str, Any]) -> str:
     """Every result, as the markdown of ``docs/benchmarks.md``'s results section."""
     lines = ["## Results", ""]
@@ -878,6 +921,7 @@ def render(results: dict[str, Any]) -> str:
         ("data_path", _data_path),
         ("data_path_cluster", _data_path),
         ("steady_state", _steady_state),
+        ("tracking", _tracking),
         ("chaos", _chaos),
     ):
         if key == "launch_changes":

@@ -14,6 +14,10 @@
 - ``choose`` promotes the candidate only when it beats the current model; the first run always
   promotes, as there is no current model yet.
 
+With an ``mlflow`` connection ``mlflow_default`` (and ``pip install "airflow-provider-torchdist[mlflow]"``),
+``train`` is also an MLflow run (metrics, params, tags; its ``state_dict`` logged as the run's model)
+and ``promote`` registers that model as a new version of ``retrain`` (docs/tracking.md).
+
 Where files go: ``$TORCHDIST_DATA_DIR`` (default ``<tmp>/torchdist_retrain/data``) and
 ``$TORCHDIST_MODELS_DIR`` (default ``<tmp>/torchdist_retrain/models``, the current model is
 ``current.pt`` there), read when the tasks run.
@@ -37,6 +41,24 @@ FEATURES = 4
 CURRENT_MODEL = "current.pt"
 #: The trained model: each successful ``train`` emits an event for it (``dags/evaluate_model.py``).
 MODEL = Asset("torchdist://models/retrain")
+
+
+def mlflow_conn_id(conn_id: str = "mlflow_default") -> str | None:
+    """``conn_id`` when it is an ``mlflow`` connection and the MLflow client is installed, else None
+    (the pipeline then trains untracked)."""
+    import importlib.util
+
+    if importlib.util.find_spec("mlflow") is None:
+        return None
+    try:
+        from airflow.sdk import BaseHook
+
+        return conn_id if BaseHook.get_connection(conn_id).conn_type == "mlflow" else None
+    except Exception:  # no such connection
+        return None
+
+
+MLFLOW_CONN_ID = mlflow_conn_id()
 
 
 def data_dir() -> Path:
@@ -148,6 +170,8 @@ def retrain_pipeline():
         local_mode=False,
         use_gpu=False,
         outlets=[MODEL],  # the event's extra: final metrics, output type and size, world size, duration
+        mlflow_conn_id=MLFLOW_CONN_ID,  # None: no tracking
+        mlflow_log_model=MLFLOW_CONN_ID is not None,  # rank 0's state_dict, as the run's model
     )
 
     @task
@@ -197,6 +221,12 @@ def retrain_pipeline():
         staging.write_bytes(Path(evaluation["candidate"]).read_bytes())
         os.replace(staging, target)
         print(f"promoted {evaluation['candidate']} (val loss {evaluation['val_loss']:.6f}) to {target}")
+        if MLFLOW_CONN_ID is not None:  # and a new version of the registered model, from train's run
+            from airflow_provider_torchdist.operators.tracking.models import register_model
+
+            uri = get_current_context()["ti"].xcom_pull(task_ids="train", key="mlflow_model_uri")
+            if uri:
+                print(f"registered {register_model(MLFLOW_CONN_ID, uri, 'retrain')}")
         return str(target)
 
     @task

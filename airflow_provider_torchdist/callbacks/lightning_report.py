@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from airflow_provider_torchdist.callbacks.scalars import known_total, scalar_metrics
-from airflow_provider_torchdist.spark.node import stop
+from airflow_provider_torchdist.spark.node import progress, stop
 from airflow_provider_torchdist.spark.node.checkpoints import checkpoint_dir
 from airflow_provider_torchdist.spark.node.metrics import report
 
@@ -66,6 +66,7 @@ class LightningReportCallback(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        progress.note_progress()  # a step: progress, for the hang watchdog
         # Every rank asks (a collective: they all reach this hook after the same batch).
         if self.save_on_stop and stop.stop_requested(all_ranks=True):
             directory = checkpoint_dir() or Path(trainer.default_root_dir)

@@ -7,7 +7,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from airflow_provider_torchdist.callbacks.scalars import known_total, scalar_metrics
-from airflow_provider_torchdist.spark.node import stop
+from airflow_provider_torchdist.spark.node import progress, stop
 from airflow_provider_torchdist.spark.node.metrics import report
 
 
@@ -39,6 +39,7 @@ class TransformersReportCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        progress.note_progress()  # a step: progress, for the hang watchdog
         # Every rank asks (a collective: they all reach this hook after the same step).
         if self.save_on_stop and stop.stop_requested(all_ranks=True):
             control.should_save = True

@@ -20,6 +20,7 @@ from airflow_provider_torchdist.spec import (
     RUN,
     SETTINGS,
     SUBMIT,
+    TRACKING,
     XCOM,
     TrainingSpec,
     settings_for,
@@ -77,6 +78,11 @@ _OPERATOR_ONLY = (
         "need(s) the Airflow task's context: settings of TorchDistributorOperator. With the hook, "
         "add the properties to conf yourself: conf=inject_parent_job_information_into_spark_properties("
         "conf, context) (airflow.providers.openlineage.utils.spark).",
+    ),
+    (
+        TRACKING,
+        "log(s) the task's run in MLflow from the operator: settings of TorchDistributorOperator. "
+        "With the hook, log from your own code (mlflow.start_run() around hook.run()).",
     ),
 )
 

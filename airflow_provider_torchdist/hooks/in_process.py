@@ -14,7 +14,7 @@ from typing import Any
 
 from airflow.providers.common.compat.sdk import AirflowException
 
-from airflow_provider_torchdist.errors import SparkSubmitFailed, TrainingFailed
+from airflow_provider_torchdist.errors import SparkSubmitFailed, training_failure
 from airflow_provider_torchdist.spark.driver.owner import write_owner_token
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.outcome import Outcome
@@ -60,13 +60,14 @@ def raise_for_outcome(
     outcome: Outcome | None, submit_error: AirflowException | None, staged: StagedRun
 ) -> None:
     """Raise what the run ended with: :class:`SparkSubmitFailed` when the driver reported no
-    outcome or rank 0's value never reached it, :class:`TrainingFailed` naming the failed ranks."""
+    outcome or rank 0's value never reached it, :class:`TrainingFailed` naming the failed ranks
+    (:class:`TrainingHung` when the driver found the run hung)."""
     if outcome is None:
         raise SparkSubmitFailed(
             f"The Spark application ended before the training driver reported an outcome: {submit_error}"
         ) from submit_error
     if not outcome.ok:
-        raise TrainingFailed(outcome.failures, outcome.error)
+        raise training_failure(outcome.failures, outcome.error)
     if not staged.output_path.exists():  # a script's rank 0 sends one too (set_output, or None)
         raise SparkSubmitFailed("Training succeeded but rank 0's return value never reached the driver.")
 

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any
 from airflow.providers.common.compat.sdk import ResumableJobMixin
 
 from airflow_provider_torchdist.errors import SparkSubmitFailed
+from airflow_provider_torchdist.operators.checkpoint_registry import best_checkpoint, finish_checkpoints
 from airflow_provider_torchdist.operators.executors import pod_bound, task_executor
 from airflow_provider_torchdist.operators.outlet_events import run_extra, set_outlet_extra
+from airflow_provider_torchdist.operators.tracking import task_run as tracking
 from airflow_provider_torchdist.operators.xcom import (
     link_pusher,
     metrics_pusher,
@@ -74,6 +76,7 @@ class SupervisedRunMixin(ResumableJobMixin):
     _hook: TorchDistributorHook | None
     _result: Any
     _followed: bool
+    _tracking: tracking.TaskTracking | None
 
     # -- ResumableJobMixin: the run's record in task_state_store ---------------------------------
 
@@ -162,6 +165,8 @@ class SupervisedRunMixin(ResumableJobMixin):
         """Back from the trigger: take the run's log, result and metrics as the synchronous path would."""
         self._check_work(at_parse_time=False)
         self._hook = self.make_hook(context)
+        # It has trained: a tracking server that does not answer now does not fail the task.
+        self._tracking = tracking.open_for(self, self._hook, context, required=False)
         state = event.get("state")
         record = held_record(event["record"], context)
         if state == "timeout":  # the trigger stopped the run at its deadline
@@ -251,7 +256,8 @@ class SupervisedRunMixin(ResumableJobMixin):
             hook.on_operation = lambda operation: self._record_operation(store, record, operation)
         metrics = metrics_pusher(ti)
         hook.on_metrics = metrics.offer
-        followed = False
+        tracking.attach(self._tracking, hook)  # the MLflow run's share, off this loop (operators/tracking/)
+        followed, value = False, None
         try:
             with DeadlineWatch(deadline, lambda: hook.stop_run(record)) as watch:
                 try:
@@ -268,17 +274,27 @@ class SupervisedRunMixin(ResumableJobMixin):
             stop_abandoned(record, context["ti"].try_number <= (self.retries or 0), self.log)
             raise
         finally:
-            # The metric history is worth having after a failure too (the last loss before it),
-            # but a failed push must not hide the run's own error.
-            try:
-                metrics.close(hook.metrics or None)
-            except Exception:
-                if followed:
-                    raise
-                self.log.warning("Could not push the final metric history.", exc_info=True)
+            tracked = self._end_follow(metrics, context, value, followed)
         push_world_sizes(ti, hook.world_sizes)
+        extra = tracked | best_checkpoint(finish_checkpoints(ti, hook.spec, self.log))  # XCom checkpoints
         if self.outlets and hook.run_status is not None:
             # The size it ended with: an elastic run's last one, else the one it had throughout.
             world_size = hook.world_sizes[-1]["world_size"] if hook.world_sizes else hook.spec.max_processes
-            set_outlet_extra(context, self.outlets, run_extra(hook.run_status, value, world_size))
+            set_outlet_extra(context, self.outlets, run_extra(hook.run_status, value, world_size) | extra)
         return value
+
+    def _end_follow(self, metrics: Any, context: Any, value: Any, followed: bool) -> dict[str, Any]:
+        """The MLflow run closed (returns its share of the asset event's extra); the final metric
+        history to XCom, after a failure too, where a failed push must not hide the run's error."""
+        hook = self._hook
+        assert hook is not None
+        tracked = tracking.close_tracking(
+            self._tracking, hook, context, value=value, succeeded=followed, log_model=self.mlflow_log_model
+        )
+        try:
+            metrics.close(hook.metrics or None)
+        except Exception:
+            if followed:
+                raise
+            self.log.warning("Could not push the final metric history.", exc_info=True)
+        return tracked

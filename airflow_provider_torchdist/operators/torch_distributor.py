@@ -19,10 +19,17 @@ from airflow.providers.common.compat.sdk import BaseOperator, XComArg
 from airflow.providers.common.compat.sdk import conf as airflow_conf
 
 from airflow_provider_torchdist.hooks.torch_distributor import TorchDistributorHook
-from airflow_provider_torchdist.links import SparkHistoryServerLink, SparkMasterAppLink, SparkUILink
+from airflow_provider_torchdist.links import (
+    MlflowRunLink,
+    SparkHistoryServerLink,
+    SparkMasterAppLink,
+    SparkUILink,
+)
+from airflow_provider_torchdist.operators.checkpoint_registry import with_run_identity
 from airflow_provider_torchdist.operators.executors import check_deferral, task_executor
 from airflow_provider_torchdist.operators.lineage import inject_openlineage
 from airflow_provider_torchdist.operators.run_control import SupervisedRunMixin
+from airflow_provider_torchdist.operators.tracking.task_run import default_mlflow_conn_id, open_for
 from airflow_provider_torchdist.operators.xcom import METRICS_XCOM_KEY as METRICS_XCOM_KEY  # public since 0.1
 from airflow_provider_torchdist.operators.xcom import WORLD_SIZES_XCOM_KEY as WORLD_SIZES_XCOM_KEY
 from airflow_provider_torchdist.operators.xcom import (
@@ -105,7 +112,7 @@ class TorchDistributorOperator(SupervisedRunMixin, BaseOperator):
         "train_data_args": "json",
     }
     ui_color = "#ee4c2c"
-    operator_extra_links = (SparkUILink(), SparkMasterAppLink(), SparkHistoryServerLink())
+    operator_extra_links = (SparkUILink(), SparkMasterAppLink(), SparkHistoryServerLink(), MlflowRunLink())
 
     def __init__(
         self,
@@ -134,9 +141,12 @@ class TorchDistributorOperator(SupervisedRunMixin, BaseOperator):
             if getattr(self, name) is None:
                 setattr(self, name, airflow_conf.getboolean("openlineage", option, fallback=False))
         self._check_work(at_parse_time=True)
+        # A set connection (or [torchdist] mlflow_conn_id) without the MLflow client fails the import.
+        self.mlflow_conn_id = default_mlflow_conn_id(self.mlflow_conn_id)
         self._hook: TorchDistributorHook | None = None
         self._result: Any = None
         self._followed = False
+        self._tracking = None
 
     __init__.__signature__ = signature_of(  # type: ignore[attr-defined]
         list(SETTINGS),
@@ -191,6 +201,7 @@ class TorchDistributorOperator(SupervisedRunMixin, BaseOperator):
             return spec
         if spec.checkpoint_dir is None:
             spec = dataclasses.replace(spec, checkpoint_dir=run_paths.default_checkpoint_dir(context["ti"]))
+        spec = with_run_identity(spec, context["ti"])  # its ranks resume this DAG run's checkpoints only
         conf = inject_openlineage(
             spec.conf,
             context,
@@ -226,6 +237,8 @@ class TorchDistributorOperator(SupervisedRunMixin, BaseOperator):
         self._hook = self.make_hook(context)
         # Scripts too: a script's rank 0 may set_output() a value as large as any return value.
         check_output_path(run_paths.output_base(self._hook.spec.output_path))
+        # The MLflow run, before anything is submitted: a bad URI or credentials fail the task here.
+        self._tracking = open_for(self, self._hook, context)
         if self.deferrable:
             check_deferral(
                 self._hook.embedded,

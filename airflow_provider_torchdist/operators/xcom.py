@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from airflow_provider_torchdist.links import LINK_XCOM_KEYS, ApplicationLinks
 from airflow_provider_torchdist.outputs import run_paths
 from airflow_provider_torchdist.outputs.results import origin_of, output_to_xcom
+from airflow_provider_torchdist.spark.node.checkpoint_store import local_path
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.submit.validation import checkpoint_dir_path
 from airflow_provider_torchdist.supervision.lifeline.run_state import newest_that_fit
@@ -155,10 +156,12 @@ def push_world_sizes(ti: Any, world_sizes: list[dict[str, Any]]) -> None:
 
 
 def push_checkpoint_dir(ti: Any, spec: TrainingSpec) -> None:
-    """Push the run's checkpoint directory (the plain path the ranks' ``checkpoint_dir()`` gives)
-    to ``ti``'s XCom ``checkpoint_dir``; nothing when the run has none."""
+    """Push the run's checkpoint directory (the plain path the ranks' ``checkpoint_dir()`` gives,
+    or a remote store's URI) to ``ti``'s XCom ``checkpoint_dir``; nothing when the run has none."""
     if spec.checkpoint_dir:
-        ti.xcom_push(key=CHECKPOINT_DIR_XCOM_KEY, value=checkpoint_dir_path(spec.checkpoint_dir))
+        remote = local_path(spec.checkpoint_dir) is None
+        value = spec.checkpoint_dir if remote else checkpoint_dir_path(spec.checkpoint_dir)
+        ti.xcom_push(key=CHECKPOINT_DIR_XCOM_KEY, value=value)
 
 
 def output_handler(ti: Any, spec: TrainingSpec) -> Callable[[Path | None], Any]:

@@ -17,6 +17,7 @@ is refused as ambiguous: Airflow reads the later one whenever the first yields n
 from __future__ import annotations
 
 import configparser
+import logging
 import os
 from dataclasses import dataclass
 
@@ -69,12 +70,34 @@ def key_forms(option: str) -> list[KeyForm]:
     ]
 
 
+def _declare_options(conf: configparser.RawConfigParser, option: str) -> None:
+    """Make sure Airflow knows ``[torchdist] <option>`` is sensitive before it is read.
+
+    From Airflow 3.1 ``conf`` reads providers' declared options on demand. Airflow 3.0 knows them
+    only once the providers' configuration is loaded, which its CLI and servers do at start but a
+    task's process may not: until then it skips every ``_CMD``/``_SECRET`` form of the option."""
+    if (SECTION, option) in conf.sensitive_config_values:  # type: ignore[attr-defined]
+        return
+    from airflow.providers_manager import ProvidersManager
+
+    # Discovering the providers logs at INFO (to stdout, on 3.0), e.g. hooks whose UI widgets need
+    # Flask: routine, and noise in what `python -m airflow_provider_torchdist status-key` prints.
+    discovery = logging.getLogger("airflow.providers_manager")
+    level = discovery.level
+    discovery.setLevel(max(logging.WARNING, level))
+    try:
+        ProvidersManager().initialize_providers_configuration()
+    finally:
+        discovery.setLevel(level)
+
+
 def read_key_option(option: str) -> ConfiguredKey:
     """``[torchdist] <option>`` through Airflow's configuration, refused (:class:`SigningKeyError`)
     when a ``_CMD``/``_SECRET`` form is set but yields nothing, is ambiguous, or fails."""
     from airflow.configuration import conf
     from airflow.exceptions import AirflowConfigException
 
+    _declare_options(conf, option)
     # RawConfigParser's own has_option: airflow.cfg's entries (and conf.set), not the variables or
     # defaults; Airflow's has_option would resolve the option, running its command.
     forms = [

@@ -33,6 +33,7 @@ from airflow_provider_torchdist.spark.driver.executor_loss import (
     wait_for_loss,
 )
 from airflow_provider_torchdist.spark.driver.finish import exit_without_teardown, finish, finished_code
+from airflow_provider_torchdist.spark.driver.hang_watch import kill_own_children, watch_hangs
 from airflow_provider_torchdist.spark.driver.owner import read_owner_token, write_channel_address
 from airflow_provider_torchdist.spark.driver.rank_logs import rank_filter
 from airflow_provider_torchdist.spark.driver.spark_context import (
@@ -80,24 +81,26 @@ def run_local(spec: JobSpec, staging: Path) -> Outcome:
                 return Outcome(ok=False, error=str(exc), hosts=[LOCAL_HOST])
             os.environ[DATA_DIR_ENV] = str(shards)
         node = channel.registry.add_local(0, LOCAL_HOST)
-        try:
-            failures = launch_node(
-                spec,
-                node_rank=0,
-                entry_path=str(staging / spec.entry),
-                channel_address=channel.address,
-                host=LOCAL_HOST,
-                output_dir=str(staging),  # the ranks run here: rank 0 writes its value in place
-                node_key=node.key,
-            )
-        finally:
-            remove_shards(shards, staging)
+        with watch_hangs(channel, spec, kill_own_children) as hangs:  # hang_timeout
+            try:
+                failures = launch_node(
+                    spec,
+                    node_rank=0,
+                    entry_path=str(staging / spec.entry),
+                    channel_address=channel.address,
+                    host=LOCAL_HOST,
+                    output_dir=str(staging),  # the ranks run here: rank 0 writes its value in place
+                    node_key=node.key,
+                )
+            finally:
+                remove_shards(shards, staging)
         channel.agents_failed(failures, node=0)
         emit("channel_close")
     emit("channel_closed")
     return Outcome(
-        ok=not channel.failures,
+        ok=not channel.failures and hangs.error is None,
         failures=channel.failures,
+        error=hangs.error,  # the run hung: the ranks' failures are only how it was ended
         hosts=[LOCAL_HOST],
         metrics=channel.metrics,
         world_sizes=[started(spec.num_processes)],
@@ -169,8 +172,9 @@ def barrier_stage(
     leaving = Decommissions(
         sc, group, channel.stops, watch, channel.say, cancel, spec.stop_grace_period, spec.nproc_per_node
     )
+    hangs = watch_hangs(channel, spec, lambda _: cancel())  # hung: the stage is cancelled
     try:
-        with watch, leaving:
+        with watch, leaving, hangs:
             emit("barrier_stage_submitted")
             if shards is None:
                 stage = sc.parallelize(range(spec.num_nodes), spec.num_nodes).barrier()
@@ -182,8 +186,10 @@ def barrier_stage(
             emit("barrier_stage_done")
         if leaving.error:
             channel.say(leaving.error)
-        return results, leaving.error
+        return results, hangs.error or leaving.error
     except Exception as exc:
+        if hangs.error:
+            return [], hangs.error
         if leaving.error:
             channel.say(leaving.error)
             return [], leaving.error

@@ -16,7 +16,17 @@ from typing import Any
 from airflow_provider_torchdist.errors import InvalidTrainingConfig
 from airflow_provider_torchdist.spec import SETTINGS, TrainingSpec
 from airflow_provider_torchdist.submit.argument_names import unknown_arguments
-from airflow_provider_torchdist.submit.stop_settings import check_grace_period, check_stop_signal
+from airflow_provider_torchdist.submit.checkpoint_settings import (
+    check_checkpoint_mode,
+    check_resume_from,
+    check_retention,
+    checkpoint_dir_uri,
+)
+from airflow_provider_torchdist.submit.stop_settings import (
+    check_grace_period,
+    check_hang_timeout,
+    check_stop_signal,
+)
 from airflow_provider_torchdist.submit.validation import (
     check_bool,
     check_deploy_mode,
@@ -25,7 +35,6 @@ from airflow_provider_torchdist.submit.validation import (
     check_topology,
     check_unencrypted_allowed,
     check_world_size,
-    checkpoint_dir_path,
     is_template,
     output_dir_path,
     world_size_bounds,
@@ -184,6 +193,7 @@ CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "int_timeout": lambda v, n: check_timeout(v, n, integer=True),
     "float_timeout": lambda v, n: check_timeout(v, n, integer=False),
     "grace_period": check_grace_period,
+    "hang_timeout": check_hang_timeout,
     "stop_signal": check_stop_signal,
     "optional_str": _optional_str,
     "non_empty_str": _non_empty_str,
@@ -195,7 +205,9 @@ CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "sql_args": _sql_args,
     "optional_non_negative_int": _optional_non_negative_int,
     "submit_kwargs": lambda v, n: _submit_kwargs(_str_dict(v, n)),
-    "checkpoint_dir": _optional_dir(checkpoint_dir_path),
+    "checkpoint_dir": _optional_dir(checkpoint_dir_uri),
+    "checkpoint_mode": check_checkpoint_mode,
+    "resume_from": check_resume_from,
     "output_path": _optional_dir(output_dir_path),
 }
 
@@ -274,6 +286,7 @@ def _check_together(s: dict[str, Any], at_parse_time: bool) -> None:
                 f"log_ranks names rank(s) {beyond}, but the run has ranks 0..{most - 1} "
                 f"(num_processes={s['num_processes']!r})"
             )
+    check_retention(s)
     if "deploy_mode" in s["spark_submit_kwargs"]:
         check_deploy_mode(s["spark_submit_kwargs"]["deploy_mode"])
     if "fast_jvm_start" in s["spark_submit_kwargs"]:  # accepted there too, as before it was a setting

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from airflow_provider_torchdist.errors import InvalidTrainingConfig, SparkSubmitFailed
+from airflow_provider_torchdist.spark.node.checkpoint_store import local_path
 from airflow_provider_torchdist.spec import TrainingSpec
 from airflow_provider_torchdist.submit.connection import SparkTarget
 from airflow_provider_torchdist.submit.validation import checkpoint_dir_path, output_dir_path
@@ -94,12 +95,12 @@ def check_local_gpus(needed: int) -> None:
 
 
 def check_checkpoint_dir(value: str | None) -> str | None:
-    """``checkpoint_dir`` (when set) must be a local directory this worker can write.
+    """A local ``checkpoint_dir`` (when set) must be a directory this worker can write.
 
     Absolute, a plain path or ``file:///`` URI (the checkpoint helpers use local paths), created
     0700 if missing, and written to once. Returns the resolved path.
     """
-    if not value:
+    if not value or local_path(value) is None:  # a remote store: probed by checkpoint_storage
         return None
     return check_writable_dir(checkpoint_dir_path(value), "checkpoint_dir", value)
 

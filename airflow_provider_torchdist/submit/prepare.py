@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from airflow_provider_torchdist.spark.connect.sessions import run_session_url
-from airflow_provider_torchdist.spark.node.checkpoints import CHECKPOINT_ENV
 from airflow_provider_torchdist.spec import TrainingSpec
+from airflow_provider_torchdist.submit.checkpoint_storage import checkpoint_rank_env
 from airflow_provider_torchdist.submit.connect import check_connect_run
 from airflow_provider_torchdist.submit.connection import SparkTarget
 from airflow_provider_torchdist.submit.fast_start import plan_fast_start
@@ -66,9 +66,8 @@ def check_and_stage(
         slot_timeout = check_cluster_capacity(spec, target, log)
         warn_at_run(spec, target, log)  # every rank on this machine, more of them than its cores
     check_checkpoint_dir(spec.checkpoint_dir)
-    rank_env = dict(spec.rank_env)
-    if spec.checkpoint_dir:
-        rank_env[CHECKPOINT_ENV] = str(spec.checkpoint_dir)
+    # The directory, resume_from and retention; a remote store probed, its credentials (0600 spec.json).
+    rank_env = {**spec.rank_env, **checkpoint_rank_env(spec)}
     staged = stage_run(
         train_object,
         check_args(args, "args", list),

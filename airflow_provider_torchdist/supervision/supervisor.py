@@ -53,6 +53,7 @@ import threading
 import time
 from pathlib import Path
 
+from airflow_provider_torchdist.spark.node.checkpoint_store import local_path
 from airflow_provider_torchdist.spark.wire.private_files import write_private_text
 from airflow_provider_torchdist.supervision.config import (
     ERROR_FILE,
@@ -130,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = SupervisorConfig.read(staging)
         plan_text = read_plan_text(staging)
-        if config.checkpoint_dir:
+        # A lock file needs a local directory; a remote store (s3://...) has no flock: see
+        # docs/checkpoints.md (two live runs of one task there are kept apart by the run record).
+        if config.checkpoint_dir and local_path(config.checkpoint_dir) is not None:
             lock = RunLock.acquire(
                 config.checkpoint_dir, on_wait=lambda until: _say_lock_wait(staging, until)
             )

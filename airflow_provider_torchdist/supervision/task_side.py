@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_torchdist.errors import SparkSubmitFailed, TrainingFailed
+from airflow_provider_torchdist.errors import SparkSubmitFailed, training_failure
 from airflow_provider_torchdist.outputs.signing import signing_key, status_view_key
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
@@ -269,7 +269,7 @@ def raise_for_failure(status: RunStatus) -> None:
     if status.state == "succeeded":
         return
     if status.error_kind == "training" or status.failures:
-        raise TrainingFailed([RankFailure(**f) for f in status.failures], status.error)
+        raise training_failure([RankFailure(**f) for f in status.failures], status.error)
     raise SparkSubmitFailed(status.error or f"The run ended in state {status.state!r} without an error.")
 
 

@@ -102,7 +102,9 @@ def create_app() -> FastAPI:
         if not is_training_task(facts):
             return not_a_training_task(task_id, facts)
         source, history = metric_history(facts, live, TaskBinding(dag_id, run_id, task_id, map_index))
-        return {"training_task": True, **training_figures(facts.state, history, facts.world_size, source)}
+        figures = training_figures(facts.state, history, facts.world_size, source)
+        tracked = {"mlflow_run_url": facts.mlflow_run_url} if facts.mlflow_run_url else {}
+        return {"training_task": True, **figures, **tracked}
 
     # The UI fills {MAP_INDEX} in only on a mapped task's page: elsewhere it arrives as is.
     app.add_api_route("/training/{dag_id}/{run_id}/{task_id}/{map_index}", _page, methods=["GET"])

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from airflow_provider_torchdist.links import MLFLOW_RUN_XCOM_KEY
 from airflow_provider_torchdist.operators.xcom import METRICS_XCOM_KEY
 from airflow_provider_torchdist.supervision.record import RECORD_KEY, TaskBinding
 from airflow_provider_torchdist.ui.figures import FINISHED_STATES
@@ -46,6 +47,8 @@ class TaskFacts:
     world_size: int | None = None
     operator: str | None = None
     custom_operator_name: str | None = None
+    #: The task's MLflow run page (XCom ``mlflow_run_url``; ``mlflow_conn_id``), None when none.
+    mlflow_run_url: str | None = None
 
 
 #: The operators whose tasks train (the operator, and the ``@task.torch_distributor`` decorator's).
@@ -105,7 +108,8 @@ class AirflowTaskFacts:
                 RTIF.map_index == map_index,
             )
         )
-        history = self._xcom_history(dag_id, run_id, task_id, map_index)
+        history = self._xcom_value(METRICS_XCOM_KEY, dag_id, run_id, task_id, map_index)
+        mlflow_url = self._xcom_value(MLFLOW_RUN_XCOM_KEY, dag_id, run_id, task_id, map_index)
         return TaskFacts(
             state=None if row.state is None else str(getattr(row.state, "value", row.state)),
             history=history,
@@ -113,14 +117,15 @@ class AirflowTaskFacts:
             world_size=world_size_of(rendered),
             operator=row.operator,
             custom_operator_name=row.custom_operator_name or None,
+            mlflow_run_url=mlflow_url if isinstance(mlflow_url, str) and mlflow_url else None,
         )
 
-    def _xcom_history(self, dag_id: str, run_id: str, task_id: str, map_index: int) -> list[Any]:
+    def _xcom_value(self, key: str, dag_id: str, run_id: str, task_id: str, map_index: int) -> Any:
         from airflow.models.xcom import XComModel
 
         query = XComModel.get_many(
             run_id=run_id,
-            key=METRICS_XCOM_KEY,
+            key=key,
             task_ids=task_id,
             dag_ids=dag_id,
             map_indexes=map_index,
@@ -128,8 +133,10 @@ class AirflowTaskFacts:
         )
         found = self.session.scalars(query).first()
         if found is None:
-            return []
+            return [] if key == METRICS_XCOM_KEY else None
         value = XComModel.deserialize_value(found)
+        if key != METRICS_XCOM_KEY:
+            return value
         # A custom XCom backend may keep a reference (a path) here instead of the list: no chart then.
         return value if isinstance(value, list) else []
 

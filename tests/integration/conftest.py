@@ -22,6 +22,7 @@ from tests.integration.run_processes import (  # noqa: F401 (a fixture for the m
     no_supervisor_left,
     of_this_worker,
 )
+from tests.object_store import s3_server  # noqa: F401 (moto's S3 server, one per session)
 
 pytestmark = pytest.mark.integration
 

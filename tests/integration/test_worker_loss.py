@@ -4,7 +4,10 @@ the middle of training; or Spark decommissions it (SIGPWR, as a spot node's noti
 The run must end within a bounded time with an error that says a node was lost and where, and the
 surviving worker must be left with nothing of the run: no executor, Python worker, agent or rank.
 A decommissioned node's ranks checkpoint first: a fixed run then fails naming it and its retry
-resumes from that checkpoint; an elastic run goes on without it from that checkpoint.
+resumes from that checkpoint; an elastic run goes on without it from that checkpoint. With
+checkpoints only in an S3 server (moto, a separate process on the bridge's address, reached by the
+ranks over HTTP with s3fs and an Airflow connection's credentials), the retry of a run whose host
+was killed resumes on the other host: the hosts share no directory.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import pytest
 
 from airflow_provider_torchdist import TorchDistributorHook
 from airflow_provider_torchdist.errors import SparkSubmitFailed, TrainingFailed
+from airflow_provider_torchdist.spark.node.checkpoint_manifest import RUN_ENV, run_env
+from airflow_provider_torchdist.spark.node.checkpoint_store import CheckpointStore
 from airflow_provider_torchdist.supervision.processes import command_line, is_alive
 from tests.cluster import (
     ClusterInfo,
@@ -38,6 +43,7 @@ from tests.cluster import (
 )
 from tests.cluster.netns import netns_pids
 from tests.integration.connect_server import connect_on_cluster
+from tests.object_store import S3Server, start_s3_server, stop_s3_server
 
 pytestmark = pytest.mark.integration
 
@@ -646,3 +652,90 @@ def test_a_decommissioned_workers_elastic_run_shrinks_after_the_checkpoint(
     # Every step once: world size 2 up to the stop, then world size 1 from there on.
     trained = _steps_trained(tmp_path)
     assert trained == [(2, s) for s in range(stopped)] + [(1, s) for s in range(stopped, 300)]
+
+
+#: The multi-host checkpoint test: steps between checkpoints, and steps in all.
+EVERY = 2
+STEPS = 300
+
+
+@pytest.fixture(scope="module")
+def bridge_s3(two_hosts: ClusterInfo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """An S3 server on the bridge's address, where the namespaced hosts reach it."""
+    proc, server = start_s3_server(tmp_path_factory.mktemp("moto") / "moto.log", host=DRIVER_HOST)
+    try:
+        yield server
+    finally:
+        stop_s3_server(proc)
+
+
+def train_checkpointing(marker_dir: str, steps: int, every: int) -> dict:
+    """Resume from the store, then a step every 50 ms, a checkpoint every ``every`` steps; each
+    step noted in ``<marker_dir>/progress-<pid>.json`` (the test's view only, not a checkpoint)."""
+    import torch
+
+    from airflow_provider_torchdist import load_latest_checkpoint, save_checkpoint
+
+    start, state = load_latest_checkpoint() or (0, None)
+    total = float(state["total"]) if state else 0.0
+    progress = Path(marker_dir, f"progress-{os.getpid()}.json")
+    host = os.environ["MASTER_ADDR"]  # one rank: its own host's routable address
+    for step in range(start, steps):
+        total += 1.0
+        if (step + 1) % every == 0:
+            save_checkpoint({"total": torch.tensor(total)}, step + 1)
+        progress.write_text(json.dumps({"pid": os.getpid(), "start": start, "step": step + 1, "host": host}))
+        time.sleep(0.05)
+    return {"start": start, "total": total}
+
+
+def test_the_retry_on_the_other_host_resumes_from_the_object_store(
+    cluster: ClusterInfo, bridge_s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_CKPT_STORE", bridge_s3.connection_uri_env())
+    uri = f"s3://{bridge_s3.bucket()}/retrain"
+    markers = tmp_path / "markers"
+    markers.mkdir()
+
+    def hook() -> TorchDistributorHook:  # each try of the same task in the same DAG run
+        return _cluster_hook(
+            cluster,
+            monkeypatch,
+            num_processes=1,
+            checkpoint_dir=uri,
+            checkpoint_conn_id="ckpt_store",
+            rank_env={RUN_ENV: run_env("retrain", "scheduled__1", "train", -1, 1)},
+        )
+
+    errors: list[BaseException] = []
+
+    def first_try() -> None:
+        try:
+            hook().run(train_checkpointing, str(markers), STEPS, EVERY)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            errors.append(exc)
+
+    runner = threading.Thread(target=first_try, daemon=True)
+    runner.start()
+    store = CheckpointStore(uri, bridge_s3.storage_options)
+    deadline = time.monotonic() + 180
+    while not [m for m in store.committed() if m.step >= 3 * EVERY]:  # a few checkpoints in the store
+        assert runner.is_alive() and time.monotonic() < deadline, f"no checkpoint reached the store: {errors}"
+        time.sleep(0.2)
+    (first,) = [json.loads(p.read_text()) for p in markers.glob("progress-*.json")]
+    lost = _kill_host_of(first["pid"], cluster)
+    runner.join(180)
+    assert not runner.is_alive() and errors, "the try whose host was killed must fail"
+    reached = json.loads(next(markers.glob(f"progress-{first['pid']}.json")).read_text())["step"]
+    saved = max(m.step for m in store.committed())
+
+    result = hook().run(train_checkpointing, str(markers), STEPS, EVERY)
+
+    assert result["start"] == saved >= reached - EVERY  # at most one checkpoint interval lost
+    assert result["total"] == float(STEPS)  # every step counted once: nothing trained twice
+    (retry,) = [
+        json.loads(p.read_text())
+        for p in markers.glob("progress-*.json")
+        if p.stem != f"progress-{first['pid']}"
+    ]
+    assert retry["start"] == saved and retry["host"] != lost.host == first["host"]

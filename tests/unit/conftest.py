@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from tests.object_store import s3_server  # noqa: F401 - the session fixture: moto's S3 server
+
 _AIRFLOW_HOME = tempfile.mkdtemp(prefix="torchdist-unit-airflow-home-")
 atexit.register(shutil.rmtree, _AIRFLOW_HOME, ignore_errors=True)
 os.environ["AIRFLOW_HOME"] = _AIRFLOW_HOME

@@ -181,6 +181,22 @@ PARSE_TIME = [
         id="stop_signal-number",
     ),
     pytest.param(
+        {"hang_timeout": 5},
+        r"hang_timeout must be a number of seconds from 10 to 604800 \(a week\), or None or 0 to turn the "
+        r"hang watchdog off, got 5: ranks report their progress every 2 s",
+        id="hang_timeout-too-short",
+    ),
+    pytest.param(
+        {"hang_timeout": -30},
+        r"hang_timeout must be a number of seconds from 10 to 604800 .*, got -30",
+        id="hang_timeout-negative",
+    ),
+    pytest.param(
+        {"hang_timeout": "soon"},
+        r"hang_timeout must be a number of seconds from 10 to 604800 .*, got 'soon'",
+        id="hang_timeout-not-a-number",
+    ),
+    pytest.param(
         {"max_xcom_output_bytes": -1},
         r"max_xcom_output_bytes must be an integer >= 0, got -1",
         id="max_xcom_output_bytes-negative",
@@ -234,9 +250,29 @@ PARSE_TIME = [
         id="checkpoint_dir-relative",
     ),
     pytest.param(
-        {"checkpoint_dir": "s3://bucket/ckpt"},
-        r"checkpoint_dir 's3://bucket/ckpt' is a s3:// URI, but the checkpoint helpers.*file:/// URI",
+        {"checkpoint_dir": "nosuch://bucket/ckpt"},
+        r"checkpoint_dir 'nosuch://bucket/ckpt' is not a path or a URI of a store fsspec knows.*s3://bucket",
         id="checkpoint_dir-uri",
+    ),
+    pytest.param(
+        {"checkpoint_keep_best": 3},
+        r"checkpoint_keep_best=3 needs checkpoint_metric",
+        id="checkpoint_keep_best-without-metric",
+    ),
+    pytest.param(
+        {"checkpoint_keep_last": 0},
+        r"checkpoint_keep_last=0 with checkpoint_keep_best=0 would delete every checkpoint",
+        id="checkpoint_keep_last-zero",
+    ),
+    pytest.param(
+        {"checkpoint_mode": "lowest"},
+        r"checkpoint_mode must be 'min' or 'max', got 'lowest'",
+        id="checkpoint_mode-unknown",
+    ),
+    pytest.param(
+        {"resume_from": "s3://bucket/ckpt"},
+        r"resume_from='s3://bucket/ckpt' is neither 'latest' nor a checkpoint's URI",
+        id="resume_from-not-a-checkpoint",
     ),
     pytest.param(
         {"output_path": "outputs"},
@@ -668,7 +704,7 @@ def test_script_name_refused_by_the_hook(
     [
         pytest.param("ckpt", r"checkpoint_dir 'ckpt' is not an absolute path", id="relative"),
         pytest.param("~/ckpt", r"not an absolute path.*\(~ is not expanded\)", id="tilde"),
-        pytest.param("hdfs://nn/ckpt", r"is a hdfs:// URI, but the checkpoint helpers", id="uri"),
+        pytest.param("nosuch://nn/ckpt", r"not a path or a URI of a store fsspec knows", id="uri"),
         pytest.param("file://host/ckpt", r"Write file:///absolute/path", id="file-uri-with-host"),
     ],
 )

@@ -15,6 +15,7 @@ from airflow_provider_torchdist.links import (
     SPARK_MASTER_APP_XCOM_KEY,
     SPARK_UI_XCOM_KEY,
     ApplicationLinks,
+    MlflowRunLink,
     SparkHistoryServerLink,
     SparkMasterAppLink,
     SparkUILink,
@@ -88,4 +89,5 @@ def test_the_operator_pushes_every_link_it_has_and_reads_each_back(monkeypatch: 
         SparkUILink.name: "http://driver:4040",
         SparkMasterAppLink.name: "",  # no master-web-ui on the connection
         SparkHistoryServerLink.name: "http://history:18080/history/app-1/",
+        MlflowRunLink.name: "",  # no mlflow_conn_id
     }

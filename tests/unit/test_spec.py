@@ -25,6 +25,7 @@ from airflow_provider_torchdist.spec import (
     RUN,
     SETTINGS,
     SUBMIT,
+    TRACKING,
     XCOM,
     TrainingSpec,
     default_of,
@@ -42,7 +43,7 @@ HOOK_SETTINGS = settings_for(RUN, SUBMIT)
 def test_every_setting_declares_its_doc_scope_template_flag_and_a_known_check():
     for name, f in SETTINGS.items():
         assert f.metadata["doc"].strip(), name
-        assert f.metadata["scope"] in (RUN, XCOM, OWNER, LINEAGE, SUBMIT), name
+        assert f.metadata["scope"] in (RUN, XCOM, OWNER, LINEAGE, SUBMIT, TRACKING), name
         assert isinstance(f.metadata["templated"], bool), name
         assert f.metadata["check"] in CHECKS, name
     assert TrainingSpec() == build_spec()  # the declared defaults pass their own checks
@@ -249,6 +250,12 @@ ALLOWED_PRIVATE_ACCESS = {
     # The second: PySpark's accumulator server, released before sc.stop() (spark_context.py,
     # release_accumulator_server; fast_jvm_start). Measured 0.94 s of sc.stop() without it.
     ("spark/driver/spark_context.py", "sc._accumulatorServer"),
+    # sys._current_frames: documented ("for debugging"); the hang watchdog's thread reads where the
+    # rank's main thread is, in-process, without ptrace (spark/node/watchdog.py, docs/hangs.md).
+    ("spark/node/watchdog.py", "sys._current_frames"),
+    # The default process group's sequence number (torch has no public counter of collectives):
+    # a rank whose step is one long blocking call still issues its collectives (watchdog.py).
+    ("spark/node/watchdog.py", "dist.group.WORLD._get_sequence_number_for_group"),
 }
 
 

@@ -45,6 +45,7 @@ from airflow_provider_torchdist.spark.data.data_shards import has_train_data, sh
 from airflow_provider_torchdist.spark.data.shard_plan import TrainDataError
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
 from airflow_provider_torchdist.spark.driver.finish import finish
+from airflow_provider_torchdist.spark.driver.hang_watch import watch_hangs
 from airflow_provider_torchdist.spark.driver.owner import read_owner_token
 from airflow_provider_torchdist.spark.driver.rank_logs import rank_filter
 from airflow_provider_torchdist.spark.driver.spark_context import first_line
@@ -177,7 +178,9 @@ def run_connect(spec: JobSpec, staging: Path, url: str, py_files: list[str] | No
                 f"{spec.nproc_per_node} process(es), server {server_host(url)}",
             )
             try:
-                results, error = run_job(spark, spec, staging, channel, cancel, conflicts, py_files or [])
+                with watch_hangs(channel, spec, lambda _: cancel()) as hangs:  # hung: interrupt the job
+                    results, error = run_job(spark, spec, staging, channel, cancel, conflicts, py_files or [])
+                error = hangs.error or error
             except TrainDataError as exc:  # before any rank started, with the server's error
                 channel.say(str(exc))
                 results, error = [], str(exc)

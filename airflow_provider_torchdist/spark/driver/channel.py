@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from airflow_provider_torchdist.spark.driver.hang_detection import HangDetector
 from airflow_provider_torchdist.spark.driver.ledger import RunLedger
 from airflow_provider_torchdist.spark.driver.output_receipt import receive_output
 from airflow_provider_torchdist.spark.driver.owner import OwnerHub
@@ -122,8 +123,8 @@ class RunChannel:
         self._on_failure, self._on_world_size, self._on_node_gone = on_failure, on_world_size, on_node_gone
         self._out = out or sys.stdout
         self._print_lock = threading.Lock()
-        #: A graceful stop: the request to every rank, their answers (``stop-request.json``).
-        self.stops = StopFanout(self._output_dir, self.say)
+        #: A graceful stop (``stop-request.json``); each rank's progress, for :mod:`.hang_watch`.
+        self.stops, self.hangs = StopFanout(self._output_dir, self.say), HangDetector()
         channel = self
 
         class _Handler(socketserver.StreamRequestHandler):
@@ -250,6 +251,7 @@ class RunChannel:
         this = _Connection(peer, conn, rfile, host, wire.rank_prefix(peer.rank, host))
         if peer.rank is not None:
             self.stops.rank_connected(conn, peer.rank)
+            self.hangs.connected(conn, peer.rank, host, time.monotonic())
         clean = False
         try:
             for raw in rfile:
@@ -262,6 +264,7 @@ class RunChannel:
             self.say(f"channel from {this.prefix} broke: {exc!r}")
         finally:
             self.stops.rank_gone(conn)
+            self.hangs.gone(conn)
         if not clean:
             if peer.rank is not None:
                 self.ledger.rank_vanished(peer.rank, host, node=peer.node.node)
@@ -328,6 +331,10 @@ class RunChannel:
                 self.ledger.master_announced(this.generation, host, port)
             case wire.MasterQuery(timeout=timeout) if agent:
                 this.sock.sendall(wire.encode(self.ledger.wait_for_master(this.generation, timeout)))
+            case wire.Progress() if rank is not None:
+                self.hangs.progress(this.sock, msg, time.monotonic())
+            case wire.Stacks() if rank is not None:
+                self.hangs.answered(this.sock, msg)
             case wire.StopAnswer(watching=watching) if rank is not None:
                 self.stops.answered(rank, watching)
             case wire.WorldSize(world_size=size) if rank == 0 and self._on_world_size:

@@ -3,7 +3,8 @@
 The barrier task (``barrier``), the agent that starts torchrun for one node (``launcher``, with
 ``rendezvous``, ``signed_rendezvous``, ``network``), and what each rank runs and sends back
 (``rank``, ``rank_context``, ``rank_output``, ``output_capture``, ``storage_pickling``,
-``channel_client``), with the rank-side API: ``metrics`` (``report()``) and ``checkpoints``.
+``channel_client``; ``progress`` and ``watchdog``, the hang watchdog's thread), with the rank-side
+API: ``metrics`` (``report()``) and ``checkpoints``.
 
 It may import ``wire`` only.
 """

@@ -1,8 +1,10 @@
-"""Checkpoints that survive torchrun restarts and Airflow retries of the same DAG run.
+"""Checkpoints that survive torchrun restarts and Airflow retries of the same DAG run, on a local
+directory or in object storage.
 
-The operator gives every task a directory that stays the same for all its tries (by default
-``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>``, or ``checkpoint_dir=``), and every rank
-finds it in ``TORCHDIST_CHECKPOINT_DIR``. Training code resumes like this::
+The operator gives every task a checkpoint directory (by default
+``$AIRFLOW_HOME/torchdist-checkpoints/<dag>/<run>/<task>``, or ``checkpoint_dir=``: a path or any
+fsspec URI such as ``s3://bucket/prefix``), and every rank finds it in ``TORCHDIST_CHECKPOINT_DIR``.
+Training code resumes like this::
 
     from airflow_provider_torchdist import load_latest_checkpoint, save_checkpoint
 
@@ -11,148 +13,175 @@ finds it in ``TORCHDIST_CHECKPOINT_DIR``. Training code resumes like this::
         model.load_state_dict(state["model"])
     for step in range(start, steps):
         ...
-        if step % 10 == 0:
-            save_checkpoint({"model": model.state_dict()}, step + 1)   # rank 0 writes; others no-op
+        if (step + 1) % 10 == 0:
+            save_checkpoint({"model": model.state_dict()}, step + 1, metrics={"val_loss": val_loss})
 
-On a multi-host cluster the directory must be on storage every host sees (NFS and the like).
+Each checkpoint is committed by a manifest written after its files
+(:mod:`~airflow_provider_torchdist.spark.node.checkpoint_store`), which records the DAG run and
+task that wrote it: a run resumes its own checkpoints (an earlier try, a torchrun restart), never
+another DAG run's unless the task says ``resume_from=``; the log says which it did and why
+(:func:`~airflow_provider_torchdist.spark.node.checkpoint_manifest.choose_resume`). Retention keeps
+the ``checkpoint_keep_last`` newest and the ``checkpoint_keep_best`` best by ``checkpoint_metric``.
 
-Checkpoints are loaded with ``torch.load(..., weights_only=True)``: tensors, numbers, strings and
-plain containers (a model's or an optimizer's ``state_dict``), never arbitrary pickled objects.
-The directory is writable from every executor, so a full unpickle would let any one of them run
-code in rank 0 on the next restart by planting a newer checkpoint. Classes of your own can be
-allowed by name with ``torch.serialization.add_safe_globals([MyConfig])`` at the top of the
-training function (it runs again on every restart, before the load); ``weights_only=False`` opts
-back into full pickle (see :func:`load_latest_checkpoint`).
+Checkpoints are loaded with ``torch.load(..., weights_only=True)``
+(:mod:`~airflow_provider_torchdist.spark.node.checkpoint_state`): tensors, numbers, strings and
+plain containers, never arbitrary pickled objects, since every executor of the run can write the
+store. Classes of your own can be allowed by name with
+``torch.serialization.add_safe_globals([MyConfig])`` at the top of the training function;
+``weights_only=False`` opts back into full pickle.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
-import re
+import time
 from pathlib import Path
 from typing import Any
 
-CHECKPOINT_ENV = "TORCHDIST_CHECKPOINT_DIR"
-_NAME = re.compile(r"^step-(\d{9})\.pt$")
-_OPT_IN = (
-    "If the objects are yours, allow their classes by name with "
-    "torch.serialization.add_safe_globals([...]) at the top of the training function, or save "
-    "plain data (tensors, numbers, strings, lists, dicts: a state_dict()); only if every process "
-    "that can write the checkpoint directory is trusted, pass weights_only=False (to "
-    "save_checkpoint and load_latest_checkpoint), which runs whatever code the file holds."
+from airflow_provider_torchdist.spark.node.checkpoint_files import CheckpointNotAFile
+from airflow_provider_torchdist.spark.node.checkpoint_manifest import (
+    CHECKPOINT_ENV,
+    Manifest,
+    Settings,
+    choose_resume,
+    clean_metrics,
+    to_keep,
 )
+from airflow_provider_torchdist.spark.node.checkpoint_state import (
+    CheckpointRefused,
+    dump_state,
+    load_state,
+)
+from airflow_provider_torchdist.spark.node.checkpoint_store import CheckpointStore, local_path
+
+__all__ = [
+    "CHECKPOINT_ENV",
+    "CheckpointNotAFile",
+    "CheckpointRefused",
+    "checkpoint_dir",
+    "checkpoint_uri",
+    "load_latest_checkpoint",
+    "save_checkpoint",
+]
 
 
-class CheckpointRefused(pickle.UnpicklingError):
-    """A checkpoint holds objects that a ``weights_only`` load does not create.
-
-    Raised by :func:`load_latest_checkpoint` for a file it refuses to unpickle, and by
-    :func:`save_checkpoint` for a state that such a load would refuse (so the run fails at its
-    first checkpoint, not at the restart that needs it). The message names the file and the
-    classes or functions it holds, and says how to opt in.
-    """
-
-
-def _unsafe_globals(path: Path) -> list[str]:
-    """The classes and functions in ``path``'s pickle that a ``weights_only`` load refuses.
-
-    Read statically, nothing unpickled; empty for a file that is not torch.save's zip format (a
-    legacy pickle or garbage): its message then says only that it was refused.
-    """
-    import torch
-
-    try:
-        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-    except Exception:  # noqa: BLE001 - only a detail for the message
-        return []
+def checkpoint_uri() -> str | None:
+    """This task's checkpoint directory as given (a path or a URI such as ``s3://bucket/ckpt``), or
+    None when the run has none."""
+    return os.environ.get(CHECKPOINT_ENV) or None
 
 
 def checkpoint_dir() -> Path | None:
-    """This task's checkpoint directory, or None when the run has none.
+    """This task's checkpoint directory when it is local (``file:///shared/ckpt`` names the path
+    ``/shared/ckpt``); None when the run has none or keeps checkpoints in a remote store (see
+    :func:`checkpoint_uri`)."""
+    value = checkpoint_uri()
+    path = local_path(value) if value else None
+    return Path(path) if path else None
 
-    ``checkpoint_dir="file:///shared/ckpt"`` names the local path ``/shared/ckpt``, as it does for
-    the hook's check before the run (``preflight.check_checkpoint_dir``).
-    """
-    value = os.environ.get(CHECKPOINT_ENV)
-    if value and value[:7].lower() == "file://":
-        value = value[7:]
-    return Path(value) if value else None
+
+def _store() -> CheckpointStore:
+    store = CheckpointStore.from_env()
+    if store is None:
+        raise RuntimeError(f"no checkpoint directory: {CHECKPOINT_ENV} is not set (set checkpoint_dir=)")
+    return store
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def save_checkpoint(
-    state: Any, step: int, *, keep: int = 2, all_ranks: bool = False, weights_only: bool = True
-) -> Path | None:
-    """Write ``state`` as the checkpoint of ``step`` (global rank 0 only, unless ``all_ranks``).
+    state: Any,
+    step: int,
+    *,
+    metrics: dict[str, Any] | None = None,
+    keep: int | None = None,
+    all_ranks: bool = False,
+    weights_only: bool = True,
+) -> str | None:
+    """Commit ``state`` as the checkpoint of ``step`` (global rank 0 only, unless ``all_ranks``);
+    returns its URI (None on the ranks that do not write).
 
-    Written to a temporary name and renamed, so a rank killed mid-write never leaves a torn
-    checkpoint that a restart would load. Keeps the newest ``keep`` checkpoints.
+    Its files are written whole, then its manifest (the commit), so a rank killed mid-write never
+    leaves a checkpoint a restart would load. ``metrics`` (numbers, such as ``{"val_loss": 0.2}``)
+    are recorded in the manifest, and rank the checkpoints by the task's ``checkpoint_metric``.
+    Then retention deletes this DAG run's checkpoints beyond the ``checkpoint_keep_last`` newest
+    (``keep`` overrides it) and the ``checkpoint_keep_best`` best.
 
-    With ``weights_only`` (the default) a state that :func:`load_latest_checkpoint` would refuse
-    (a numpy array, an object of your own class not allowed with
-    ``torch.serialization.add_safe_globals``) raises :class:`CheckpointRefused` and is not kept.
+    With ``weights_only`` (the default) a state that a ``weights_only`` load would refuse (a numpy
+    array, an object of your own class not allowed with ``torch.serialization.add_safe_globals``)
+    raises :class:`CheckpointRefused` and is not written.
     """
-    import torch
-
-    directory = checkpoint_dir()
-    if directory is None:
-        raise RuntimeError(f"no checkpoint directory: {CHECKPOINT_ENV} is not set (set checkpoint_dir=)")
-    if int(os.environ.get("RANK", "0")) != 0 and not all_ranks:
+    store = _store()
+    if _rank() != 0 and not all_ranks:
         return None
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"step-{step:09d}.pt"
-    tmp = directory / f".{final.name}.{os.getpid()}.tmp"
-    torch.save(state, tmp)
-    if weights_only:
-        # Reads only the pickle's opcodes (not the tensors): cheap, and the same allow-list the load uses.
-        unsafe = _unsafe_globals(tmp)
-        if unsafe:
-            tmp.unlink(missing_ok=True)
-            raise CheckpointRefused(
-                f"save_checkpoint(step={step}) refused the state: it holds {unsafe}, which "
-                "load_latest_checkpoint would not unpickle (it loads tensors, numbers, strings and "
-                f"plain containers only, weights_only=True). {_OPT_IN}"
-            )
-    os.replace(tmp, final)
-    for old in sorted(p for p in directory.iterdir() if _NAME.match(p.name))[:-keep]:
-        old.unlink(missing_ok=True)
-    return final
+    settings = Settings.from_env()
+    manifest = Manifest(
+        step=int(step),
+        time=time.time(),
+        metrics=clean_metrics(metrics),
+        run=settings.run,
+        try_number=settings.try_number,
+    )
+    # Streamed into a private temporary file and committed from there: never whole in memory here.
+    manifest = store.commit(manifest, lambda out: dump_state(state, step, out, weights_only=weights_only))
+    policy = settings.policy
+    if keep is not None:
+        policy = type(policy)(**{**policy.__dict__, "keep_last": int(keep)})
+    mine = store.committed(settings.run)
+    kept = {m.step for m in to_keep(mine, policy)} | {manifest.step}
+    for old in mine:
+        if old.step not in kept:
+            store.delete(old)
+    return store.uri_of(manifest)
 
 
 def load_latest_checkpoint(map_location: Any = "cpu", *, weights_only: bool = True) -> tuple[int, Any] | None:
-    """``(step, state)`` of the newest checkpoint, or None when there is none yet.
+    """``(step, state)`` of the checkpoint this run resumes from, or None: start from the beginning.
+
+    That is this DAG run's newest (an earlier try or restart of the same task wrote it); another
+    DAG run's only with the task's ``resume_from`` (``"latest"``, or one checkpoint's URI). Rank 0
+    prints which it chose and why.
 
     Loaded with ``torch.load(..., weights_only=True)``: tensors, numbers, strings and plain
-    containers, so a model's or an optimizer's ``state_dict``. A file holding anything else raises
-    :class:`CheckpointRefused` naming it; nothing in it runs. Allow classes of your own with
+    containers, so a model's or an optimizer's ``state_dict``. A checkpoint holding anything else
+    raises :class:`CheckpointRefused` naming it; nothing in it runs. Allow classes of your own with
     ``torch.serialization.add_safe_globals([MyConfig])`` before the call.
 
-    ``weights_only=False`` unpickles the file in full. **That runs any code the file holds**, and
-    the checkpoint directory is one that every executor of the run (every node's ranks) can
-    write: one compromised executor could plant a newer ``step-*.pt`` and take over rank 0 on the
-    next restart, and with it the run's output. Use it only when every host that runs the
-    training is trusted as much as the Airflow worker.
+    ``weights_only=False`` unpickles in full. **That runs any code the checkpoint holds**, and the
+    store is one that every executor of the run can write: one compromised executor could plant a
+    newer checkpoint and take over rank 0 on the next restart. Use it only when every host that
+    runs the training is trusted as much as the Airflow worker.
     """
-    import torch
+    store = CheckpointStore.from_env()
+    if store is None:
+        return None
+    settings = Settings.from_env()
+    if settings.resume_from and settings.resume_from != "latest":
+        source, chosen, why = _named(store, settings.resume_from)
+    else:
+        source = store
+        chosen, why = choose_resume(store.committed(), settings, store.uri)
+    if _rank() == 0:
+        print(f"torchdist checkpoints: {why}", flush=True)
+    if chosen is None:
+        return None
+    with source.open_state(chosen) as state:
+        loaded = load_state(
+            state, source.uri_of(chosen), map_location=map_location, weights_only=weights_only
+        )
+    return chosen.step, loaded
 
-    directory = checkpoint_dir()
-    if directory is None or not directory.is_dir():
-        return None
-    found = sorted(p for p in directory.iterdir() if _NAME.match(p.name))
-    if not found:
-        return None
-    latest = found[-1]
-    try:
-        state = torch.load(latest, map_location=map_location, weights_only=weights_only)
-    except pickle.UnpicklingError as exc:
-        if not weights_only:
-            raise
-        # torch's own message is about its 2.6 default; say what this file holds and what to do.
-        held = f"it holds {unsafe}" if (unsafe := _unsafe_globals(latest)) else "its pickle was refused"
-        raise CheckpointRefused(
-            f"load_latest_checkpoint refused {latest}: {held}, objects beyond tensors, numbers, "
-            "strings and plain containers, and unpickling them could run code from whoever wrote "
-            "the file (every executor of the run can write this directory). Nothing in it was run. "
-            f"{_OPT_IN}"
-        ) from exc
-    return int(_NAME.match(latest.name)[1]), state
+
+def _named(store: CheckpointStore, uri: str) -> tuple[CheckpointStore, Manifest | None, str]:
+    """``resume_from=<a checkpoint's URI>``: its store (with the run's storage options) and manifest."""
+    base, _, name = uri.rstrip("/").rpartition("/")
+    source = store if base == store.uri else CheckpointStore(base, store.storage_options)
+    manifest = source.manifest_of(name)
+    if manifest is None:
+        raise FileNotFoundError(
+            f"resume_from={uri!r} names no committed checkpoint (deleted by retention, or never "
+            "committed): pick one from a training task's checkpoints XCom, or resume_from='latest'"
+        )
+    return source, manifest, f"resuming from step {manifest.step} (resume_from={uri!r})"

@@ -30,6 +30,7 @@ from airflow_provider_torchdist.spark.node.rank import (
 from airflow_provider_torchdist.spark.node.rendezvous import MONITOR_INTERVAL_S
 from airflow_provider_torchdist.spark.node.rendezvous import register as register_rendezvous
 from airflow_provider_torchdist.spark.node.signed_rendezvous import register as register_signed_rendezvous
+from airflow_provider_torchdist.spark.node.watchdog import nccl_flight_recorder
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
@@ -167,6 +168,7 @@ def rank_environment(spec: JobSpec, host: str, nproc: int, task_cpus: int | None
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if spec.debug:
         env.update(DEBUG_ENV)
+    env.update(nccl_flight_recorder(spec.use_gpu, spec.hang_timeout))  # docs/hangs.md
     env.update(spec.rank_env)
     return env
 

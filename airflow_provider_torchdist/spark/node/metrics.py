@@ -16,7 +16,7 @@ import os
 import time
 from typing import Any
 
-from airflow_provider_torchdist.spark.node import rank_context
+from airflow_provider_torchdist.spark.node import progress, rank_context
 from airflow_provider_torchdist.spark.wire.logsafe import escape_controls
 from airflow_provider_torchdist.spark.wire.protocol import Metric
 
@@ -70,6 +70,7 @@ def report(
             loss = train_step()
             report(step=step, total_steps=steps, loss=loss)   # tensors are fine
     """
+    progress.note_progress()  # on every rank, reporting or not: the hang watchdog counts it
     total = None if total_steps is None else _total_steps(total_steps)
     reserved = [name for name in metrics if name in RECORD_FIELDS]
     if reserved:

@@ -12,20 +12,22 @@ import runpy
 import signal
 import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import cloudpickle
 
-from airflow_provider_torchdist.spark.node import rank_context, script_output, stop
+from airflow_provider_torchdist.spark.node import progress, rank_context, script_output, stop
 from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
 from airflow_provider_torchdist.spark.node.output_capture import OutputCapture
 from airflow_provider_torchdist.spark.node.rank_output import send_output
+from airflow_provider_torchdist.spark.node.watchdog import RankWatchdog
 from airflow_provider_torchdist.spark.wire import parent_death
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spark.wire.protocol import (
     Message,
+    StackRequest,
     StopAnswer,
     StopRequest,
     WorldSize,
@@ -166,6 +168,8 @@ def call_work(spec: JobSpec, entry_path: str) -> Any:
         if exc.code not in (None, 0) or spec.kind == "callable":
             raise
         return None
+    finally:
+        progress.work_done.set()  # for the hang watchdog: what follows is the runtime's, not a hang
 
 
 def connect_rank(
@@ -189,11 +193,28 @@ def connect_rank(
         return None
 
 
-def _on_driver_message(client: ChannelClient, message: Message, signame: str) -> None:
+def _on_driver_message(
+    client: ChannelClient, message: Message, signame: str, watchdog: RankWatchdog | None
+) -> None:
     """What the driver pushes to a rank: a stop request, answered with whether this rank watches
-    for stops (anything else is not for a rank: ignored)."""
+    for stops; a request for its stacks (the run is hung), answered by its watchdog (anything
+    else is not for a rank: ignored)."""
     if isinstance(message, StopRequest):
         client.send(StopAnswer(stop.request_stop(message.reason, message.grace, signame)))
+    elif isinstance(message, StackRequest) and watchdog is not None:
+        client.send(watchdog.stacks())
+
+
+def _listen_to_driver(spec: JobSpec, client: ChannelClient | None) -> Callable[[], None]:
+    """Hear what the driver pushes (:func:`_on_driver_message`), and start the hang watchdog
+    (``hang_timeout``), whose thread reports this rank's progress; returns what stops the watchdog."""
+    watchdog = RankWatchdog(client.send) if client and spec.hang_timeout else None
+    if client:
+        client.listen(lambda message: _on_driver_message(client, message, spec.stop_signal, watchdog))
+    if watchdog is None:
+        return lambda: None
+    watchdog.start()
+    return watchdog.stop
 
 
 def _wait_if_regrouping(spec: JobSpec) -> None:
@@ -230,8 +251,7 @@ def run_rank(
         client.send(WorldSize(int(os.environ["WORLD_SIZE"])))
     rank_context.set_client(client)  # for report()
     stop.install(spec.stop_signal)  # before the channel can deliver a stop: see stop.py
-    if client:
-        client.listen(lambda message: _on_driver_message(client, message, spec.stop_signal))
+    stop_watchdog = _listen_to_driver(spec, client)
     capture = OutputCapture(client, prefix)
     capture.start()
     try:
@@ -259,6 +279,7 @@ def run_rank(
             client.error(describe_exception(exc))
         raise
     finally:
+        stop_watchdog()
         capture.stop()
         if client:
             client.close()

@@ -36,6 +36,8 @@ import time
 from types import FrameType
 from typing import Any
 
+from airflow_provider_torchdist.spark.node.progress import note_progress
+
 _requested = threading.Event()
 #: Re-entrant: the signal handler runs in the main thread, which may hold it at that moment.
 _lock = threading.RLock()
@@ -66,6 +68,7 @@ def stop_requested(all_ranks: bool = False) -> bool:
     """
     global _watching
     _watching = True
+    note_progress()  # a check per step: the hang watchdog counts it as progress
     local = _requested.is_set()
     if not all_ranks:
         return local

@@ -11,6 +11,9 @@ from typing import Any
 
 #: In the staging directory: the driver's verdict, for the hook.
 OUTCOME_FILE = "outcome.json"
+#: A hung run's error starts with this (the driver's hang watch writes it; the Airflow side then
+#: raises ``TrainingHung``, and the rest of the error says who hung and where: docs/hangs.md).
+HUNG_ERROR_PREFIX = "training hung: "
 
 
 @dataclass

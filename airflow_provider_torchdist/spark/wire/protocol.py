@@ -29,6 +29,11 @@ from airflow_provider_torchdist.spark.wire.json_lines import json_object
 from airflow_provider_torchdist.spark.wire.message import Message, ProtocolError, checked_field
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
 
+# The hang watchdog's kinds: imported before ``_KINDS`` is made, so that decode() knows them.
+from airflow_provider_torchdist.spark.wire.watchdog_messages import Progress as Progress
+from airflow_provider_torchdist.spark.wire.watchdog_messages import StackRequest as StackRequest
+from airflow_provider_torchdist.spark.wire.watchdog_messages import Stacks as Stacks
+
 #: The longest reason a :class:`StopRequest` carries (the stopper's own words, cut to fit).
 STOP_REASON_CHARS = 200
 

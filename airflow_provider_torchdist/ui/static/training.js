@@ -256,6 +256,10 @@
       progress.eta_seconds === 0 && progress.fraction >= 1 ? "done" : formatDuration(progress.eta_seconds);
     $("world-size").textContent = data.world_size === null || data.world_size === undefined ? "–" : String(data.world_size);
     $("report-count").textContent = String(points.length);
+    // The task's MLflow run (mlflow_conn_id), an http(s) page only: never a javascript: URL.
+    const mlflow = /^https?:\/\//.test(data.mlflow_run_url || "") ? data.mlflow_run_url : "";
+    $("mlflow-link").hidden = !mlflow;
+    if (mlflow) $("mlflow-link").href = mlflow;
     const percent = progress.fraction === null || progress.fraction === undefined ? 0 : progress.fraction * 100;
     $("progress-bar").style.width = `${percent}%`;
     $("progress-bar").parentElement.setAttribute("aria-valuenow", String(Math.round(percent)));

@@ -216,8 +216,10 @@ def test_execute_returns_xcom_value_and_pushes_metrics(faked_spark):
         "spark_ui_url": "",
         "spark_master_app_url": "",
         "spark_history_url": "",
+        "mlflow_run_url": "",  # no mlflow_conn_id: the "MLflow run" link shows nothing
         # The run's checkpoint directory, for a downstream task (the task's own by default).
         CHECKPOINT_DIR_XCOM_KEY: op.default_checkpoint_dir({"ti": ti}),
+        "checkpoints": [],  # the kept checkpoints, best first: this run saved none
     }
     spec = faked_spark.spec
     assert (spec.num_processes, spec.nproc_per_node) == (4, 2)

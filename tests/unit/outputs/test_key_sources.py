@@ -10,6 +10,7 @@ the config endpoint showed the key in clear.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -64,16 +65,6 @@ print("RESULTS " + json.dumps(results))
 """
 
 
-#: Airflow 3.0 loads a provider's declared options (what makes them sensitive, so what lets their
-#: ``_CMD``/``_SECRET`` forms resolve) only in its own entry points, and its LocalFilesystemBackend
-#: holds no config values: there a set ``_CMD`` is refused (never a made-up key) but not resolved.
-#: docs/security.md says so; these tests hold the 3.1+ behaviour.
-pytestmark = pytest.mark.skipif(
-    tuple(int(p) for p in __import__("airflow").__version__.split(".")[:2]) < (3, 1),
-    reason="Airflow 3.0 resolves no _CMD/_SECRET form of a provider's option (see docs/security.md)",
-)
-
-
 def run_airflow(
     tmp_path: Path, cases: dict[str, dict[str, str]], cfg: str, show: tuple[str, ...] = ()
 ) -> dict[str, Any]:
@@ -96,14 +87,50 @@ def run_airflow(
     return json.loads(line.removeprefix("RESULTS "))
 
 
+def _local_backend_reads_configs() -> bool:
+    """Whether Airflow's LocalFilesystemBackend serves config values (``configs_file_path``): it
+    does from Airflow 3.1; 3.0 has no built-in backend that does."""
+    from airflow.secrets.local_filesystem import LocalFilesystemBackend
+
+    return "configs_file_path" in inspect.signature(LocalFilesystemBackend).parameters
+
+
+#: Airflow 3.0 (the lowest supported version): Airflow's LocalFilesystemBackend plus the config
+#: file that later versions read, loaded by Airflow from ``[secrets] backend`` like any backend.
+CONFIGS_BACKEND_MODULE = """
+import json
+from pathlib import Path
+
+from airflow.secrets.local_filesystem import LocalFilesystemBackend
+
+
+class ConfigsFileBackend(LocalFilesystemBackend):
+    def __init__(self, configs_file_path: str, **kwargs):
+        super().__init__(**kwargs)
+        self.configs_file = configs_file_path
+
+    def get_config(self, key: str):
+        return json.loads(Path(self.configs_file).read_text()).get(key)
+"""
+
+#: The class name of the backend the tests' ``airflow.cfg`` sets (errors name it).
+BACKEND = "LocalFilesystemBackend" if _local_backend_reads_configs() else "ConfigsFileBackend"
+
+
 def backend_cfg(tmp_path: Path, extra: str = "") -> str:
-    """An airflow.cfg whose secrets backend is Airflow's LocalFilesystemBackend, holding one config
-    entry, ``torchdist_signing``."""
+    """An airflow.cfg whose secrets backend is Airflow's LocalFilesystemBackend (on 3.0, the
+    subclass above, next to the process's cwd ``tmp_path``), holding one config entry,
+    ``torchdist_signing``."""
     configs = tmp_path / "configs.json"
     configs.write_text(json.dumps({"torchdist_signing": SECRET_KEY}))
+    backend = "airflow.secrets.local_filesystem.LocalFilesystemBackend"
+    if BACKEND != "LocalFilesystemBackend":
+        (tmp_path / "configs_file_backend.py").write_text(CONFIGS_BACKEND_MODULE)
+        backend = f"configs_file_backend.{BACKEND}"
     return (
-        "[api]\nexpose_config = non-sensitive-only\n"
-        "[secrets]\nbackend = airflow.secrets.local_filesystem.LocalFilesystemBackend\n"
+        # [webserver] is where Airflow 3.0's config endpoint reads it; later versions, [api].
+        "[api]\nexpose_config = non-sensitive-only\n[webserver]\nexpose_config = non-sensitive-only\n"
+        f"[secrets]\nbackend = {backend}\n"
         f'backend_kwargs = {{"configs_file_path": "{configs}"}}\n' + extra
     )
 
@@ -142,12 +169,12 @@ def test_the_cmd_and_secret_variables_give_the_key_or_are_refused_never_a_made_u
     for case, form, why in [
         ("cmd prints nothing", "_CMD", "the command printed nothing"),
         ("cmd fails", "_CMD", "cannot be read from"),
-        ("secret missing", "_SECRET", "LocalFilesystemBackend has no such entry"),
+        ("secret missing", "_SECRET", f"{BACKEND} has no such entry"),
     ]:
         error = results[case].get("error", "")
         assert f"{env}{form}" in error and why in error, (case, results[case])
         assert not results[case]["key_file"], f"{case}: a per-machine key was made instead"
-    assert "LocalFilesystemBackend" in results["secret missing"]["error"]
+    assert BACKEND in results["secret missing"]["error"]
     # The plain variable comes first in Airflow's order (and this one is too short).
     assert results["cmd and a plain key"]["error"].startswith(f"The output signing key in {env} has 1 bytes")
     assert "VIEW_STATUS_KEY must be the 64 hex characters" in results["bad view key"]["error"]

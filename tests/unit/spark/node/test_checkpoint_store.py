@@ -1,0 +1,88 @@
+"""The checkpoint store's commit protocol, on a local directory and on a real S3 server (moto's,
+a separate process reached over HTTP by s3fs): a reader trusts only steps whose manifest was
+written, and only files that match it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from airflow_provider_torchdist.spark.node.checkpoint_files import CheckpointNotAFile
+from airflow_provider_torchdist.spark.node.checkpoint_manifest import MANIFEST, STATE, Manifest, step_dir
+from airflow_provider_torchdist.spark.node.checkpoint_store import CheckpointStore, CheckpointStoreError
+from tests.object_store import S3Server
+
+RUN = {"dag_id": "d", "run_id": "r", "task_id": "t", "map_index": -1}
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointStore:
+    if request.param == "local":
+        return CheckpointStore(str(tmp_path / "ckpt"))
+    server: S3Server = request.getfixturevalue("s3_server")
+    return CheckpointStore(f"s3://{server.bucket()}/runs/ckpt", server.storage_options)
+
+
+def test_committed_steps_round_trip_and_delete(store: CheckpointStore) -> None:
+    assert store.committed() == []
+    store.probe()
+    first = store.commit(Manifest(step=10, time=1.0, metrics={"val_loss": 0.5}, run=RUN), b"state-10")
+    second = store.commit(Manifest(step=20, time=2.0, run=RUN), b"state-20")
+    assert sorted(m.step for m in store.committed()) == [10, 20]
+    assert store.read_state(first) == b"state-10"
+    assert store.uri_of(first) == f"{store.uri}/{step_dir(10, RUN)}"
+    store.delete(first)
+    assert store.committed() == [second]
+
+
+def test_a_step_whose_manifest_was_never_written_is_not_trusted(store: CheckpointStore) -> None:
+    """A writer killed between its files and its manifest leaves files no reader loads: the
+    step's state is there (whole or torn), its manifest is not."""
+    store.commit(Manifest(step=1, time=1.0, run=RUN), b"good")
+    plant(store, step_dir(2, RUN), STATE, b"half a stat")
+    assert [m.step for m in store.committed()] == [1]
+
+
+def plant(store: CheckpointStore, step: str, name: str, data: bytes) -> None:
+    """Another writer puts ``data`` at ``<step>/<name>`` (bypassing the commit protocol)."""
+    if store.fs is None:
+        os.makedirs(store._join(step), exist_ok=True)
+    store._write(store._join(step, name), data)
+
+
+def test_a_state_changed_after_its_commit_is_refused(store: CheckpointStore) -> None:
+    manifest = store.commit(Manifest(step=3, time=1.0, run=RUN), b"the real state")
+    plant(store, step_dir(3, RUN), STATE, b"someone else's state")
+    with pytest.raises(CheckpointStoreError, match="does not match its manifest"):
+        store.read_state(manifest)
+
+
+def test_a_manifest_copied_to_another_step_is_not_trusted(store: CheckpointStore) -> None:
+    manifest = store.commit(Manifest(step=3, time=1.0, run=RUN), b"state")
+    plant(store, step_dir(99, RUN), MANIFEST, manifest.to_json().encode())
+    assert [m.step for m in store.committed()] == [3]
+
+
+def test_local_symlinks_planted_in_the_directory_are_never_followed(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    manifest = store.commit(Manifest(step=1, time=1.0, run=RUN), b"state")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"state")  # same bytes: only the refusal to follow stops the read
+    state = Path(store._join(step_dir(1, RUN), STATE))
+    state.unlink()
+    state.symlink_to(victim)
+    with pytest.raises(CheckpointNotAFile, match="a symlink"):
+        store.read_state(manifest)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    Path(store._join(step_dir(2, RUN))).symlink_to(outside)
+    with pytest.raises(CheckpointNotAFile, match="not a directory of its own"):
+        store.commit(Manifest(step=2, time=2.0, run=RUN), b"state")
+    assert list(outside.iterdir()) == []
+
+
+def test_a_store_that_cannot_be_written_fails_its_probe(s3_server: S3Server) -> None:
+    with pytest.raises(Exception, match="(?i)bucket"):
+        CheckpointStore("s3://no-such-bucket-here/ckpt", s3_server.storage_options).probe()
