@@ -37,7 +37,11 @@ from airflow_provider_torchdist.submit.connection import (
     SparkTarget,
 )
 from airflow_provider_torchdist.submit.plan import SubmitPlan
-from airflow_provider_torchdist.submit.spark_submit import CONNECT_CLIENT_ENV, Submission
+from airflow_provider_torchdist.submit.spark_submit import (
+    CONNECT_CLIENT_ENV,
+    Submission,
+    spark_side_environment,
+)
 from airflow_provider_torchdist.submit.staging import SPARK_ZIP
 
 log = logging.getLogger(__name__)
@@ -221,7 +225,7 @@ class ConnectSubmission:
     def run(self) -> None:
         """The Connect driver to its end; raises ``AirflowException`` when it fails."""
         env = {
-            **os.environ,
+            **spark_side_environment(os.environ),
             **self.plan.env,
             URL_ENV: self.plan.connection["url"],
         }

@@ -11,6 +11,7 @@ import secrets
 import signal
 import subprocess
 import threading
+from collections.abc import Iterable, Mapping
 
 import psutil
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
@@ -25,6 +26,24 @@ from airflow_provider_torchdist.submit.properties import write_private_propertie
 #: What makes PySpark a Spark Connect client (``SparkSession.builder.remote`` sets the first in its
 #: own process): spark-submit's driver given one of these refuses to make a SparkContext.
 CONNECT_CLIENT_ENV = frozenset({"SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE"})
+
+#: The variables set in this (the task's) process for its own clients only, comma-separated: the
+#: MLflow credentials of ``mlflow_conn_id``. No child that runs Spark inherits them (a supervisor,
+#: spark-submit, so neither its driver nor local ranks): see :func:`spark_side_environment`.
+TASK_ONLY_ENV = "TORCHDIST_TASK_ONLY_ENV"
+
+
+def keep_in_task(names: Iterable[str]) -> None:
+    """Mark ``names`` (set in ``os.environ`` for this process's own clients) as never for Spark."""
+    kept = set(filter(None, os.environ.get(TASK_ONLY_ENV, "").split(","))) | set(names)
+    os.environ[TASK_ONLY_ENV] = ",".join(sorted(kept))
+
+
+def spark_side_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less what :func:`keep_in_task` kept in the task's process (and its list)."""
+    dropped = {TASK_ONLY_ENV, *environ.get(TASK_ONLY_ENV, "").split(",")}
+    return {key: value for key, value in environ.items() if key not in dropped}
+
 
 SUBMISSION_MARKER = "TORCHDIST_SUBMISSION"
 """The environment variable that tells one :class:`Submission`'s spark-submit from another's."""
@@ -75,7 +94,11 @@ class Submission:
             # Kubernetes the provider would also turn env_vars into --conf pairs on the command line.
             env = {
                 key: value
-                for key, value in {**os.environ, **self.plan.env, SUBMISSION_MARKER: marker}.items()
+                for key, value in {
+                    **spark_side_environment(os.environ),
+                    **self.plan.env,
+                    SUBMISSION_MARKER: marker,
+                }.items()
                 if key not in CONNECT_CLIENT_ENV
             }
             self._hook.submit(

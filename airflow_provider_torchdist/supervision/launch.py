@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
+from airflow_provider_torchdist.submit.spark_submit import spark_side_environment
 from airflow_provider_torchdist.supervision.config import LOG_FILE
 from airflow_provider_torchdist.supervision.forked import can_fork, fork_detached, title_of
 from airflow_provider_torchdist.supervision.processes import start_detached
@@ -67,8 +68,8 @@ def supervisor_environment(environ: Mapping[str, str]) -> dict[str, str]:
     Airflow's task runner blocks the task's own DB access with an unparsable
     ``SQL_ALCHEMY_CONN`` (``airflow-db-not-allowed:///``), which the supervisor would fail to import
     Airflow with. It needs no DB (the plan holds the resolved connection): an in-memory SQLite URL,
-    never the deployment's database."""
-    env = dict(environ)
+    never the deployment's database. What the task keeps to itself (its MLflow credentials) stays there."""
+    env = spark_side_environment(environ)
     env.pop("AIRFLOW__CORE__SQL_ALCHEMY_CONN", None)
     env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = "sqlite://"
     return env

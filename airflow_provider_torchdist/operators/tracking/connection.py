@@ -6,7 +6,7 @@ a bare host name gets ``http://`` and the connection's ``port``), ``login``/``pa
 auth, extra ``token`` a bearer token, extra ``experiment_name`` the experiment (default: the DAG
 id). MLflow's client reads credentials from the environment at each request
 (``MLFLOW_TRACKING_USERNAME``/``PASSWORD``/``TOKEN``): they are set in this task process only,
-which follows one run, and never reach the Spark side.
+which follows one run, and kept from its children that run Spark (``keep_in_task``).
 """
 
 from __future__ import annotations
@@ -101,7 +101,12 @@ def connect(target: TrackingTarget) -> Any:
     require_mlflow("mlflow_conn_id")
     for name, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(name, value)
-    os.environ.update(target.auth_env())
+    auth = target.auth_env()
+    from airflow_provider_torchdist.submit.spark_submit import keep_in_task
+
+    # Only this process's clients read them: never the supervisor, spark-submit or the ranks.
+    keep_in_task(name for name, value in auth.items() if os.environ.get(name) != value)
+    os.environ.update(auth)
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=target.uri, registry_uri=target.uri)

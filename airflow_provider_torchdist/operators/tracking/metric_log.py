@@ -2,7 +2,9 @@
 
 The follow loop only appends to the buffer (:meth:`MetricLog.offer`, never a network call), so a
 slow or unreachable tracking server cannot slow the run's log, XCom or training. The thread sends
-what is buffered in batches; when a send fails it keeps the batch, says once in the task log that
+what is buffered in batches, at most one request every ``interval`` seconds (a full batch goes at
+once): a run that reports every few milliseconds costs the server, and the machine it shares with
+the ranks, one request a second, not one a report. When a send fails it keeps the batch, says once in the task log that
 the server is unreachable, and tries again with a backoff until the server is back. The buffer
 holds at most ``capacity`` values: past that the oldest are dropped and counted. :meth:`close`
 flushes for up to ``flush_timeout`` seconds and says in the task log what could not be logged.
@@ -29,6 +31,8 @@ DEFAULT_CAPACITY = 100_000
 BATCH_SIZE = 1000
 #: The backoff between tries while the server is unreachable: from the first to the last, doubling.
 RETRY_BACKOFF_S = (0.5, 10.0)
+#: The shortest time between two sends, while the buffer holds less than a batch.
+SEND_INTERVAL_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +81,13 @@ class MetricLog:
         capacity: int = DEFAULT_CAPACITY,
         flush_timeout: float = 30.0,
         backoff: tuple[float, float] = RETRY_BACKOFF_S,
+        interval: float = SEND_INTERVAL_S,
         describe: str = "the MLflow run",
     ) -> None:
         self._send, self._capacity, self._flush_timeout = send, capacity, flush_timeout
-        self._backoff, self._describe = backoff, describe
+        self._backoff, self._interval, self._describe = backoff, interval, describe
+        self._flushing = 0  # flush() callers waiting: the interval does not hold them up
+        self._last_send = -float("inf")
         self._buffer: collections.deque[MetricValue] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
@@ -117,12 +124,13 @@ class MetricLog:
         wait = self._backoff[0]
         while True:
             with self._cond:
-                while not self._buffer and not self._closing:
-                    self._cond.wait()
+                while (wait_for := self._send_due_in()) != 0.0:
+                    self._cond.wait(wait_for)
                 if not self._buffer:
                     return
                 batch = [self._buffer.popleft() for _ in range(min(BATCH_SIZE, len(self._buffer)))]
                 self._sending, self._in_flight = True, len(batch)
+                self._last_send = time.monotonic()
             try:
                 self._send(batch)
             except Exception as exc:
@@ -142,6 +150,15 @@ class MetricLog:
                     self.outage = None
                 wait = self._backoff[0]
                 self._cond.notify_all()
+
+    def _send_due_in(self) -> float | None:
+        """Under the condition: 0 when the thread should send now (or end: closed, nothing left),
+        else how long to wait (None: until an offer)."""
+        if not self._buffer:
+            return 0.0 if self._closing else None
+        if self._closing or self._flushing or len(self._buffer) >= BATCH_SIZE:
+            return 0.0
+        return max(0.0, self._last_send + self._interval - time.monotonic())
 
     def _failed(self, batch: list[MetricValue], exc: Exception) -> bool:
         """Keep a batch that could not be sent; False when closed meanwhile (the batch is lost)."""
@@ -168,12 +185,17 @@ class MetricLog:
         """Wait up to ``timeout`` seconds for everything buffered to be sent; True if it was."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._buffer or self._sending:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
-                    return False
-                self._cond.wait(min(left, 0.5))
-            return True
+            self._flushing += 1
+            self._cond.notify_all()
+            try:
+                while self._buffer or self._sending:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._thread.is_alive():
+                        return False
+                    self._cond.wait(min(left, 0.5))
+                return True
+            finally:
+                self._flushing -= 1
 
     def close(self) -> int:
         """Flush (up to ``flush_timeout``), stop the thread, and say in the task log what was not

@@ -10,16 +10,24 @@ What is logged (``mlflow_log_model=True``):
   (``mlflow.pytorch.load_state_dict(uri)``);
 * a dict holding either under ``"model"`` or ``"state_dict"`` (``{"state_dict": ..., "loss": ...}``):
   that entry, as above;
-* anything else: the newest checkpoint in the run's checkpoint directory (``step-*.pt``, from
-  ``save_checkpoint``) at ``checkpoint``, if there is one.
+* anything else: this DAG run's newest committed checkpoint (``save_checkpoint``'s), its state
+  checked against its manifest and copied out (never a file of the directory as it is: any
+  executor can write there, and a symlink planted at a checkpoint's name would otherwise have the
+  worker upload whatever file it points to) at ``checkpoint/step-<step>-<run>.pt``, if there is one.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from airflow_provider_torchdist.spark.node.checkpoint_files import CHUNK
+from airflow_provider_torchdist.spark.node.checkpoint_manifest import furthest, step_dir
+from airflow_provider_torchdist.spark.node.checkpoint_store import CheckpointStore
 
 #: The artifact path of a logged model or state dict, and of a logged checkpoint.
 MODEL_ARTIFACT = "model"
@@ -46,9 +54,12 @@ def _is_state_dict(value: Any) -> bool:
     )
 
 
-def log_trained_model(client: Any, run_id: str, value: Any, checkpoint_dir: str | None) -> str | None:
-    """Log ``value`` (rank 0's return value, decoded) or the newest checkpoint to run ``run_id``;
-    returns the model's URI (``runs:/<id>/model``), or None when there was nothing to log."""
+def log_trained_model(
+    client: Any, run_id: str, value: Any, store: CheckpointStore | None, run: dict[str, Any] | None = None
+) -> str | None:
+    """Log ``value`` (rank 0's return value, decoded) or the newest committed checkpoint of ``run``
+    (the DAG run's task) in ``store`` to MLflow run ``run_id``; returns the model's URI
+    (``runs:/<id>/model``), or None when there was nothing to log."""
     import mlflow
     import torch
 
@@ -65,7 +76,7 @@ def log_trained_model(client: Any, run_id: str, value: Any, checkpoint_dir: str 
             else:
                 mlflow.pytorch.log_state_dict(dict(value), artifact_path=MODEL_ARTIFACT)
         return f"runs:/{run_id}/{MODEL_ARTIFACT}"
-    newest = max(Path(checkpoint_dir).glob("step-*.pt"), default=None) if checkpoint_dir else None
+    newest = furthest(store.committed(run)) if store is not None else None
     if newest is None:
         log.warning(
             "mlflow_log_model: rank 0 returned a %s, not a torch.nn.Module or a state dict, and the run "
@@ -73,8 +84,16 @@ def log_trained_model(client: Any, run_id: str, value: Any, checkpoint_dir: str 
             type(value).__name__,
         )
         return None
-    client.log_artifact(run_id, str(newest), artifact_path=CHECKPOINT_ARTIFACT)
-    return f"runs:/{run_id}/{CHECKPOINT_ARTIFACT}/{newest.name}"
+    name = f"{step_dir(newest.step, newest.run)}.pt"
+    with (
+        tempfile.TemporaryDirectory(prefix="torchdist-checkpoint-") as private,
+        store.open_state(newest) as state,
+    ):  # type: ignore[union-attr]
+        path = Path(private) / name
+        with open(path, "wb") as out:
+            shutil.copyfileobj(state, out, CHUNK)
+        client.log_artifact(run_id, str(path), artifact_path=CHECKPOINT_ARTIFACT)
+    return f"runs:/{run_id}/{CHECKPOINT_ARTIFACT}/{name}"
 
 
 def register_model(

@@ -236,7 +236,7 @@ def close_tracking(
     extra: dict[str, Any] = {"mlflow_run_id": tracking.run_id}
     if succeeded and log_model:
         try:
-            model_uri = log_value_model(tracking, value, hook.spec.checkpoint_dir)
+            model_uri = log_value_model(tracking, value, hook.spec, context["ti"])
         except Exception as exc:
             log.warning("MLflow: could not log the model to run %s: %s", tracking.run_id, exc, exc_info=True)
             model_uri = None
@@ -247,13 +247,19 @@ def close_tracking(
     return extra
 
 
-def log_value_model(tracking: TaskTracking, value: Any, checkpoint_dir: str | None) -> str | None:
-    """Log rank 0's value (decoded from what went to XCom) or the newest checkpoint as the model."""
+def log_value_model(tracking: TaskTracking, value: Any, spec: TrainingSpec, ti: Any) -> str | None:
+    """Log rank 0's value (decoded from what went to XCom) or this DAG run's newest checkpoint as
+    the model."""
+    from airflow_provider_torchdist.operators.checkpoint_registry import run_identity
     from airflow_provider_torchdist.operators.tracking.models import log_trained_model
     from airflow_provider_torchdist.outputs.results import load_output
+    from airflow_provider_torchdist.spark.node.checkpoint_store import CheckpointStore
+    from airflow_provider_torchdist.submit.checkpoint_storage import storage_options
 
     model = load_output(value) if value is not None else None
-    return log_trained_model(tracking.client, tracking.run_id, model, checkpoint_dir)
+    uri = str(spec.checkpoint_dir) if spec.checkpoint_dir else None
+    store = CheckpointStore(uri, storage_options(spec.checkpoint_conn_id, uri)) if uri else None
+    return log_trained_model(tracking.client, tracking.run_id, model, store, run_identity(ti))
 
 
 def default_mlflow_conn_id(conn_id: str | None) -> str | None:

@@ -113,18 +113,42 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
+        """The manifest ``text`` holds; ``ValueError`` for anything not of its shape (whoever can
+        write the store can plant any JSON, and one bad object must not break every reader)."""
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} manifest")
+        metrics, files = data.get("metrics") or {}, data.get("files") or {}
+        if not (
+            _is_int(data.get("step"))
+            and data["step"] >= 0
+            and _is_finite(data.get("time"))
+            and isinstance(metrics, dict)
+            and all(_is_finite(v) for v in metrics.values())
+            and isinstance(data.get("run"), dict | None)
+            and (data.get("try_number") is None or _is_int(data["try_number"]))
+            and isinstance(data.get("finished", False), bool)
+            and isinstance(files, dict)
+            and all(isinstance(f, dict) for f in files.values())
+        ):
+            raise ValueError(f"a {FORMAT} manifest of the wrong shape")
         return cls(
-            step=int(data["step"]),
+            step=data["step"],
             time=float(data["time"]),
-            metrics={str(k): float(v) for k, v in (data.get("metrics") or {}).items()},
+            metrics={str(k): float(v) for k, v in metrics.items()},
             run=data.get("run"),
             try_number=data.get("try_number"),
-            finished=bool(data.get("finished", False)),
-            files=dict(data.get("files") or {}),
+            finished=data.get("finished", False),
+            files=dict(files),
         )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def clean_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:

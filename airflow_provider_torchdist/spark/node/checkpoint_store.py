@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,6 +50,9 @@ from airflow_provider_torchdist.spark.node.checkpoint_manifest import (
 
 #: ``committed()``'s default: the checkpoints of every run.
 ALL_RUNS: Any = object()
+#: The most of a ``manifest.json`` that is read: a real one is a few hundred bytes, and anyone who
+#: can write the store could plant one of gigabytes for every rank and task that lists it.
+MAX_MANIFEST_BYTES = 1024 * 1024
 
 
 class CheckpointStoreError(OSError):
@@ -150,7 +154,9 @@ class CheckpointStore:
         """The manifest of the step prefix ``name`` (``step-000000010-<run>``), or None when that
         step is not committed (no manifest, an unreadable one, or one copied from another step)."""
         try:
-            manifest = Manifest.from_json(self._read(self._join(name, MANIFEST)))
+            if self.fs is None and not stat.S_ISDIR(os.lstat(self._join(name)).st_mode):
+                return None  # a symlink planted at a step's name: reads and deletes would follow it
+            manifest = Manifest.from_json(self._read(self._join(name, MANIFEST), MAX_MANIFEST_BYTES))
         except (OSError, ValueError, KeyError, TypeError):
             return None
         return manifest if step_dir(manifest.step, manifest.run) == name else None
@@ -251,11 +257,17 @@ class CheckpointStore:
         else:
             write_replacing(path, data)
 
-    def _read(self, path: str) -> bytes:
+    def _read(self, path: str, most: int) -> bytes:
+        """The object at ``path``; ``ValueError`` when it holds more than ``most`` bytes (only
+        ``most`` + 1 of them are read)."""
         if self.fs is not None:
-            return self.fs.cat_file(path)
-        with open_regular(path) as source:
-            return source.read()
+            data = self.fs.cat_file(path, start=0, end=most + 1)
+        else:
+            with open_regular(path) as source:
+                data = source.read(most + 1)
+        if len(data) > most:
+            raise ValueError(f"{path} holds more than {most} bytes")
+        return data
 
     @contextmanager
     def _open(self, path: str) -> Iterator[BinaryIO]:

@@ -5,10 +5,12 @@ MLflow client is installed."""
 from __future__ import annotations
 
 import http.server
+import os
 import socket
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from airflow.models.connection import Connection
@@ -134,3 +136,78 @@ def test_a_bad_uri_or_refused_credentials_fail_the_task_before_anything_is_submi
     with pytest.raises(TrackingUnavailable, match=expected):
         operator.execute({"ti": FakeTI()})
     assert no_submit == []  # spark-submit never started
+
+
+class Answering(http.server.BaseHTTPRequestHandler):
+    """A tracking server that takes any credentials and has no experiments."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body = b'{"experiments": []}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_POST = do_GET
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def own_environ() -> Iterator[None]:
+    """``os.environ`` as it was, once the test is over (``connect`` sets the credentials in it)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_the_mlflow_credentials_never_reach_the_supervisor_or_spark_submit(
+    own_environ: None, tmp_path: Path
+) -> None:
+    """``connect`` puts the credentials in the task's environment, where MLflow's client reads them;
+    the task's children that run Spark (a new supervisor, spark-submit, and so its driver and
+    local ranks) must not inherit them. Before, every one of them did."""
+    from airflow_provider_torchdist.submit.checks import build_spec
+    from airflow_provider_torchdist.submit.connection import resolve_target
+    from airflow_provider_torchdist.submit.plan import build_plan
+    from airflow_provider_torchdist.submit.spark_submit import Submission
+    from airflow_provider_torchdist.supervision.launch import supervisor_environment
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answering)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        target = TrackingTarget(
+            f"http://127.0.0.1:{server.server_address[1]}",
+            username="ci",
+            password="pw-9f3a1c",
+            token="tok-77b2e0",
+        )
+        connect(target)  # the task's own client works with them...
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "pw-9f3a1c"
+    assert not {"pw-9f3a1c", "tok-77b2e0"} & set(supervisor_environment(os.environ).values())
+    # ...and a real Submission's spark-submit (a script that writes its environment) sees none.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "spark-submit").write_text('#!/bin/sh\nfor a; do last="$a"; done\nenv > "$last"\n')
+    (bin_dir / "spark-submit").chmod(0o755)
+    spec = build_spec()
+    plan = build_plan(
+        spec,
+        resolve_target(spec),
+        application="/stage/torchdist_driver.py",
+        application_args=[str(tmp_path / "env.txt")],
+        files=[],
+        py_files=[],
+        properties={},
+        properties_dir=tmp_path,
+        env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"},
+    )
+    Submission(plan).run()
+    seen = (tmp_path / "env.txt").read_text()
+    assert "PATH=" in seen and "pw-9f3a1c" not in seen and "tok-77b2e0" not in seen

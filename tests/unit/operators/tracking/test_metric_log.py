@@ -92,3 +92,29 @@ def test_a_full_buffer_drops_the_oldest_and_close_says_what_was_not_logged(
     assert any("10 metric value(s) could not be logged" in r.getMessage() for r in caplog.records)
     metrics.offer(record(11))  # after close: ignored, never raised
     assert metrics.pending == 0
+
+
+def test_reports_in_quick_succession_go_in_one_request_per_interval_and_a_full_batch_at_once() -> None:
+    """A run that reports every few milliseconds must not cost the server a request a report."""
+    server = FlakyServer()
+    requests: list[int] = []
+
+    def send(batch: Sequence[MetricValue]) -> None:
+        requests.append(len(batch))
+        server.send(batch)
+
+    metrics = MetricLog(send, interval=3600.0)  # the next send waits for the interval, or a batch
+    metrics.offer(record(0))
+    while not requests:  # the first value goes at once: nothing was sent before it
+        threading.Event().wait(0.01)
+    for step in range(1, 200):
+        metrics.offer(record(step))
+    assert requests == [1]  # 199 values wait for the interval...
+    for step in range(200, 1200):
+        metrics.offer(record(step))
+    while len(requests) < 2:  # ...until they fill a batch, which goes at once
+        threading.Event().wait(0.01)
+    assert requests[1] == 1000
+    assert metrics.flush(10)  # a flush does not wait for the interval either
+    assert requests == [1, 1000, 199] and [v.step for v in server.received] == list(range(1200))
+    metrics.close()

@@ -55,12 +55,12 @@ def test_a_hung_run_gets_stacks_suspects_a_stop_and_its_end_without_waiting_for_
             hang_timeout=30.0,
             grace=60.0,  # not waited out: every live rank says its code does not watch for stops
             hard_stop=ended.append,
-            stacks_wait=1.0,
+            stacks_wait=5.0,  # the live ranks' answers, on a loaded machine too
         )
         assert watch.check(now=time.monotonic() + 10) is False  # not yet
         started = time.monotonic()
         assert watch.check(now=time.monotonic() + 31) is True
-        assert time.monotonic() - started < 10  # one stacks wait, no grace period
+        assert time.monotonic() - started < 20  # one stacks wait, not the 60 s grace period
         assert sorted(ended[0]) == [1000, 1001, 1002]
         for got in heard.values():
             assert got[:2] == [StackRequest(), StopRequest(HUNG, 60.0)]

@@ -4,6 +4,7 @@ written, and only files that match it."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -11,7 +12,11 @@ import pytest
 
 from airflow_provider_torchdist.spark.node.checkpoint_files import CheckpointNotAFile
 from airflow_provider_torchdist.spark.node.checkpoint_manifest import MANIFEST, STATE, Manifest, step_dir
-from airflow_provider_torchdist.spark.node.checkpoint_store import CheckpointStore, CheckpointStoreError
+from airflow_provider_torchdist.spark.node.checkpoint_store import (
+    MAX_MANIFEST_BYTES,
+    CheckpointStore,
+    CheckpointStoreError,
+)
 from tests.object_store import S3Server
 
 RUN = {"dag_id": "d", "run_id": "r", "task_id": "t", "map_index": -1}
@@ -86,3 +91,49 @@ def test_local_symlinks_planted_in_the_directory_are_never_followed(tmp_path: Pa
 def test_a_store_that_cannot_be_written_fails_its_probe(s3_server: S3Server) -> None:
     with pytest.raises(Exception, match="(?i)bucket"):
         CheckpointStore("s3://no-such-bucket-here/ckpt", s3_server.storage_options).probe()
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        {"metrics": [1.0]},  # not a mapping: AttributeError in every reader before
+        {"step": "Infinity"},  # json.loads makes inf, int(inf) raised OverflowError
+        {"files": {STATE: "not a dict"}},
+        {"metrics": {"val_loss": "NaN"}},
+        {"time": "Infinity"},
+        {"run": ["not", "a", "dict"]},
+        {"finished": "yes"},
+    ],
+)
+def test_a_manifest_of_wrong_types_is_not_trusted_and_breaks_no_reader(
+    store: CheckpointStore, forged: dict[str, str | object]
+) -> None:
+    """Whoever can write the store plants one manifest of the wrong shape at a step of its own:
+    it is not a committed checkpoint, and every other run sharing the directory still lists its
+    own (before, one such object made ``committed()`` raise in every rank and task)."""
+    honest = store.commit(Manifest(step=1, time=1.0, run=RUN), b"state")
+    fields = {"format": "torchdist-checkpoint/1", "step": 7, "time": 1.0, "run": None, **forged}
+    text = json.dumps(fields).replace('"Infinity"', "Infinity").replace('"NaN"', "NaN")
+    plant(store, step_dir(7, None), MANIFEST, text.encode())
+    assert store.committed() == [honest]
+
+
+def test_a_huge_manifest_is_not_read_whole(store: CheckpointStore) -> None:
+    """A planted manifest of many megabytes (a sparse file costs nothing locally) is refused
+    after a bounded read, not read into every rank's and the task's memory."""
+    honest = store.commit(Manifest(step=1, time=1.0, run=RUN), b"state")
+    padded = Manifest(step=7, time=1.0).to_json()[:-1] + " " * (4 * MAX_MANIFEST_BYTES) + "}"
+    plant(store, step_dir(7, None), MANIFEST, padded.encode())
+    assert store.committed() == [honest]
+
+
+def test_a_step_directory_planted_as_a_symlink_is_not_trusted(tmp_path: Path) -> None:
+    """A symlink at a step's name would make reads, the task's ``finished`` rewrite and
+    retention's deletes act in the directory it points to: it is no committed checkpoint."""
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    honest = store.commit(Manifest(step=1, time=1.0, run=RUN), b"state")
+    elsewhere = CheckpointStore(str(tmp_path / "elsewhere"))
+    other = elsewhere.commit(Manifest(step=2, time=2.0, run=RUN), b"someone else's")
+    Path(store._join(step_dir(2, RUN))).symlink_to(elsewhere._join(step_dir(2, RUN)))
+    assert store.committed(RUN) == [honest]
+    assert elsewhere.committed(RUN) == [other]
