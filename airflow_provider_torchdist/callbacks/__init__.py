@@ -11,6 +11,10 @@ epoch, with the step and the run's total steps::
 
     trainer = transformers.Trainer(..., callbacks=[TransformersReportCallback()])
 
+:class:`LightningCheckpointCallback` and :class:`TransformersCheckpointCallback` keep the Trainer's
+checkpoints in the task's checkpoint store (``checkpoint_dir``, local or ``s3://...``), under its
+retention, listed in its XCom ``checkpoints``, and find the one a retry resumes from.
+
 Neither framework is a dependency of this package: each class is made on first use, from its own
 module, so this one imports without them, and using a class without its framework raises an
 ImportError that names what to install.
@@ -21,10 +25,25 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LightningReportCallback", "TransformersReportCallback"]
+__all__ = [
+    "LightningCheckpointCallback",
+    "LightningReportCallback",
+    "TransformersCheckpointCallback",
+    "TransformersReportCallback",
+]
 
 #: name -> (module defining it, the framework's top-level package, what to install)
 _LAZY = {
+    "LightningCheckpointCallback": (
+        "airflow_provider_torchdist.callbacks.lightning_checkpoint",
+        "lightning",
+        "PyTorch Lightning (pip install lightning)",
+    ),
+    "TransformersCheckpointCallback": (
+        "airflow_provider_torchdist.callbacks.transformers_checkpoint",
+        "transformers",
+        "Hugging Face Transformers (pip install transformers)",
+    ),
     "LightningReportCallback": (
         "airflow_provider_torchdist.callbacks.lightning_report",
         "lightning",
@@ -38,7 +57,9 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from airflow_provider_torchdist.callbacks.lightning_checkpoint import LightningCheckpointCallback
     from airflow_provider_torchdist.callbacks.lightning_report import LightningReportCallback
+    from airflow_provider_torchdist.callbacks.transformers_checkpoint import TransformersCheckpointCallback
     from airflow_provider_torchdist.callbacks.transformers_report import TransformersReportCallback
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from airflow_provider_torchdist.callbacks.lightning_checkpoint import LightningCheckpointCallback
 from airflow_provider_torchdist.callbacks.scalars import known_total, scalar_metrics
 from airflow_provider_torchdist.spark.node import progress, stop
 from airflow_provider_torchdist.spark.node.checkpoints import checkpoint_dir
@@ -38,7 +39,9 @@ class LightningReportCallback(pl.Callback):
 
     When the run is stopped (``stop_grace_period``), every rank stops after the same batch: the
     Trainer saves ``stopped.ckpt`` in the task's checkpoint directory and ends ``fit``; resume with
-    ``trainer.fit(model, ckpt_path=path)`` when that file exists. ``save_on_stop=False``: not this.
+    ``trainer.fit(model, ckpt_path=path)`` when that file exists. With
+    :class:`LightningCheckpointCallback` among the callbacks, the checkpoint goes to the task's
+    checkpoint store instead, and its ``resume_path()`` finds it. ``save_on_stop=False``: not this.
     """
 
     def __init__(
@@ -69,8 +72,7 @@ class LightningReportCallback(pl.Callback):
         progress.note_progress()  # a step: progress, for the hang watchdog
         # Every rank asks (a collective: they all reach this hook after the same batch).
         if self.save_on_stop and stop.stop_requested(all_ranks=True):
-            directory = checkpoint_dir() or Path(trainer.default_root_dir)
-            trainer.save_checkpoint(str(directory / STOP_CHECKPOINT))
+            _save_on_stop(trainer)
             trainer.should_stop = True
         if not (self.all_ranks or trainer.is_global_zero):
             return
@@ -91,6 +93,17 @@ class LightningReportCallback(pl.Callback):
         logged = scalar_metrics(trainer.callback_metrics)
         values.update({name: value for name, value in logged.items() if name not in values})
         report(step=step, total_steps=self._total_steps, all_ranks=self.all_ranks, **values)
+
+
+def _save_on_stop(trainer: pl.Trainer) -> None:
+    """Into the task's checkpoint store when the Trainer keeps its checkpoints there (with
+    :class:`LightningCheckpointCallback`); else ``stopped.ckpt`` in the checkpoint directory."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, LightningCheckpointCallback):
+            callback.save(trainer)
+            return
+    directory = checkpoint_dir() or Path(trainer.default_root_dir)
+    trainer.save_checkpoint(str(directory / STOP_CHECKPOINT))
 
 
 def _loss(outputs: Any) -> Any:

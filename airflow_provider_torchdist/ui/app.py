@@ -27,7 +27,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from airflow_provider_torchdist.supervision.record import TaskBinding
-from airflow_provider_torchdist.ui.figures import training_figures
+from airflow_provider_torchdist.ui.figures import checkpoint_marks, training_figures
 from airflow_provider_torchdist.ui.task_facts import (
     AirflowTaskFacts,
     LiveHistory,
@@ -104,7 +104,8 @@ def create_app() -> FastAPI:
         source, history = metric_history(facts, live, TaskBinding(dag_id, run_id, task_id, map_index))
         figures = training_figures(facts.state, history, facts.world_size, source)
         tracked = {"mlflow_run_url": facts.mlflow_run_url} if facts.mlflow_run_url else {}
-        return {"training_task": True, **figures, **tracked}
+        kept = {"checkpoints": marks} if (marks := checkpoint_marks(facts.checkpoints)) else {}
+        return {"training_task": True, **figures, **tracked, **kept}
 
     # The UI fills {MAP_INDEX} in only on a mapped task's page: elsewhere it arrives as is.
     app.add_api_route("/training/{dag_id}/{run_id}/{task_id}/{map_index}", _page, methods=["GET"])

@@ -118,3 +118,17 @@ def training_figures(
         "metrics": metric_points(records),
         "progress": progress(records, state),
     }
+
+
+def checkpoint_marks(entries: Any) -> list[dict[str, Any]]:
+    """The kept checkpoints (the training task's XCom ``checkpoints``, best first) as the view marks
+    them on the curves: ``{"step", "best", "metrics"}`` each, the first one ``best``; anything of
+    another shape is left out (XCom is written by the task, but read here by every viewer)."""
+    marks: list[dict[str, Any]] = []
+    for entry in entries if isinstance(entries, list) else []:
+        if not isinstance(entry, dict) or not _is_step(entry.get("step")):
+            continue
+        metrics = entry.get("metrics") if isinstance(entry.get("metrics"), dict) else {}
+        numbers = {str(k): _json_number(v) for k, v in metrics.items()}
+        marks.append({"step": entry["step"], "best": not marks, "metrics": numbers})
+    return marks

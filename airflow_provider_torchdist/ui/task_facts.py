@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from airflow_provider_torchdist.links import MLFLOW_RUN_XCOM_KEY
+from airflow_provider_torchdist.operators.checkpoint_registry import CHECKPOINTS_XCOM_KEY
 from airflow_provider_torchdist.operators.xcom import METRICS_XCOM_KEY
 from airflow_provider_torchdist.supervision.record import RECORD_KEY, TaskBinding
 from airflow_provider_torchdist.ui.figures import FINISHED_STATES
@@ -49,6 +50,8 @@ class TaskFacts:
     custom_operator_name: str | None = None
     #: The task's MLflow run page (XCom ``mlflow_run_url``; ``mlflow_conn_id``), None when none.
     mlflow_run_url: str | None = None
+    #: The kept checkpoints of a succeeded run (XCom ``checkpoints``, best first); None when none.
+    checkpoints: Any = None
 
 
 #: The operators whose tasks train (the operator, and the ``@task.torch_distributor`` decorator's).
@@ -110,6 +113,7 @@ class AirflowTaskFacts:
         )
         history = self._xcom_value(METRICS_XCOM_KEY, dag_id, run_id, task_id, map_index)
         mlflow_url = self._xcom_value(MLFLOW_RUN_XCOM_KEY, dag_id, run_id, task_id, map_index)
+        kept = self._xcom_value(CHECKPOINTS_XCOM_KEY, dag_id, run_id, task_id, map_index)
         return TaskFacts(
             state=None if row.state is None else str(getattr(row.state, "value", row.state)),
             history=history,
@@ -118,6 +122,7 @@ class AirflowTaskFacts:
             operator=row.operator,
             custom_operator_name=row.custom_operator_name or None,
             mlflow_run_url=mlflow_url if isinstance(mlflow_url, str) and mlflow_url else None,
+            checkpoints=kept or None,
         )
 
     def _xcom_value(self, key: str, dag_id: str, run_id: str, task_id: str, map_index: int) -> Any:

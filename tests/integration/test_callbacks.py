@@ -4,6 +4,7 @@ callback alone (tests/integration/dags/callbacks_training.py, run with ``dag.tes
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ def test_a_transformers_trainer_reports_through_the_callback(dag_runs) -> None:
     assert metrics[-1]["step"] == 16 and "train_loss" in metrics[-1]  # the closing summary
     assert checked["steps"] == list(range(2, 17, 2)) and checked["total_steps"] == [16]
     assert re.search(r"\[metrics\] rank 0 step 2/16: loss=\S+ grad_norm=\S+ learning_rate=\S+ epoch=", output)
+    _kept_by_the_checkpoint_callback(dag_runs, "callbacks_transformers", [16, 8], "model.safetensors")
 
 
 def test_a_lightning_trainer_reports_through_the_callback(dag_runs) -> None:
@@ -74,3 +76,17 @@ def test_a_lightning_trainer_reports_through_the_callback(dag_runs) -> None:
     assert metrics[-1]["loss"] < metrics[0]["loss"]  # it learned
     assert checked["names"] == ["epoch", "learning_rate", "loss", "train_loss"]
     assert "[metrics] rank 0 step 2/24: loss=" in output
+    _kept_by_the_checkpoint_callback(dag_runs, "callbacks_lightning", [24, 16], "state.pt")
+
+
+def _kept_by_the_checkpoint_callback(
+    dag_runs: tuple[dict[str, Any], Path, str], dag_id: str, steps: list[int], a_file: str
+) -> None:
+    """The framework's checkpoints reached the task's store (two ranks, DDP), newest 2 kept,
+    listed in XCom ``checkpoints`` with the logged metrics, and their files there."""
+    states, db, _ = dag_runs
+    kept = xcom(db, dag_id, states[dag_id]["run_id"], "train", "checkpoints")
+    assert [entry["step"] for entry in kept] == steps
+    assert all("loss" in entry["metrics"] or "train_loss" in entry["metrics"] for entry in kept)
+    manifest = json.loads((Path(kept[0]["uri"]) / "manifest.json").read_text())
+    assert a_file in manifest["files"] and manifest["finished"] is True

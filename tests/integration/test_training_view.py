@@ -366,6 +366,12 @@ def test_a_framework_callbacks_loss_shows_in_the_view(
     assert 'data-loaded="true"' in dom and 'data-state="success"' in dom, dom[-3000:]
     assert curves(dom)["loss"] == sum(1 for point in answer["metrics"] if point.get("loss") is not None)
     total = answer["progress"]["total_steps"]
+    # The framework's checkpoint callback kept the newest 2 (the best first): each marked on each curve.
+    steps = {"callbacks_transformers": [16, 8], "callbacks_lightning": [24, 16]}[dag_id]
+    assert [mark["step"] for mark in answer["checkpoints"]] == steps, answer.get("checkpoints")
+    assert [mark["best"] for mark in answer["checkpoints"]] == [True, False]
+    marked = re.findall(r'<line class="checkpoint( best)?"[^>]*data-step="(\d+)"', dom)
+    assert sorted({(bool(best), int(step)) for best, step in marked}) == [(False, steps[1]), (True, steps[0])]
     assert f'id="progress-text">{total} / {total} steps (100%)<' in dom, re.search(
         r'id="progress-text">[^<]*<', dom
     )

@@ -36,6 +36,20 @@ FORMAT = "torchdist-checkpoint/1"
 MANIFEST = "manifest.json"
 STATE = "state.pt"
 STEP_DIR = re.compile(r"^step-(\d{9})-([0-9a-f]{12}|local)$")
+#: A checkpoint's file: a plain name in its step's prefix (no folder, nothing hidden).
+FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,199}$")
+
+
+def checked_file_name(name: Any) -> str:
+    """``name`` if it may name a checkpoint's file; ``ValueError`` otherwise (a manifest is read
+    from a store every executor can write, and its file names become paths that are read,
+    fetched and deleted)."""
+    if not isinstance(name, str) or not FILE_NAME.match(name) or name == MANIFEST:
+        raise ValueError(
+            f"{name!r} cannot name a checkpoint's file: use letters, digits, '_', '.', '-', '=', '+' "
+            "(no folders), at most 200 characters, not starting with '.' or '-', not manifest.json"
+        )
+    return name
 
 
 def run_token(run: dict[str, Any] | None) -> str:
@@ -130,6 +144,7 @@ class Manifest:
             and isinstance(data.get("finished", False), bool)
             and isinstance(files, dict)
             and all(isinstance(f, dict) for f in files.values())
+            and all(isinstance(n, str) and FILE_NAME.match(n) and n != MANIFEST for n in files)
         ):
             raise ValueError(f"a {FORMAT} manifest of the wrong shape")
         return cls(

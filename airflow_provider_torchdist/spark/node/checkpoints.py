@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ from airflow_provider_torchdist.spark.node.checkpoint_state import (
     dump_state,
     load_state,
 )
-from airflow_provider_torchdist.spark.node.checkpoint_store import CheckpointStore, local_path
+from airflow_provider_torchdist.spark.node.checkpoint_store import CheckpointStore, Contents, local_path
 
 __all__ = [
     "CHECKPOINT_ENV",
@@ -60,6 +61,7 @@ __all__ = [
     "CheckpointRefused",
     "checkpoint_dir",
     "checkpoint_uri",
+    "commit_checkpoint",
     "load_latest_checkpoint",
     "save_checkpoint",
 ]
@@ -113,9 +115,25 @@ def save_checkpoint(
     array, an object of your own class not allowed with ``torch.serialization.add_safe_globals``)
     raises :class:`CheckpointRefused` and is not written.
     """
-    store = _store()
     if _rank() != 0 and not all_ranks:
+        _store()  # every rank learns at once that the run has no checkpoint directory
         return None
+    return commit_checkpoint(
+        lambda out: dump_state(state, step, out, weights_only=weights_only), step, metrics=metrics, keep=keep
+    )
+
+
+def commit_checkpoint(
+    contents: Contents | Mapping[str, Contents],
+    step: int,
+    *,
+    metrics: dict[str, Any] | None = None,
+    keep: int | None = None,
+) -> str:
+    """Commit a checkpoint of ``step`` whose files are ``contents`` (``state.pt``'s, or
+    ``{name: contents}``) in this process, then apply retention to this DAG run's checkpoints;
+    returns its URI. What ``save_checkpoint`` and the framework callbacks share."""
+    store = _store()
     settings = Settings.from_env()
     manifest = Manifest(
         step=int(step),
@@ -124,8 +142,8 @@ def save_checkpoint(
         run=settings.run,
         try_number=settings.try_number,
     )
-    # Streamed into a private temporary file and committed from there: never whole in memory here.
-    manifest = store.commit(manifest, lambda out: dump_state(state, step, out, weights_only=weights_only))
+    # Streamed into private temporary files and committed from there: never whole in memory here.
+    manifest = store.commit(manifest, contents)
     policy = settings.policy
     if keep is not None:
         policy = type(policy)(**{**policy.__dict__, "keep_last": int(keep)})
@@ -135,6 +153,24 @@ def save_checkpoint(
         if old.step not in kept:
             store.delete(old)
     return store.uri_of(manifest)
+
+
+def resume_choice() -> tuple[CheckpointStore, Manifest] | None:
+    """The store and manifest of the checkpoint this run resumes from (see
+    :func:`load_latest_checkpoint`), or None: start from the beginning. Rank 0 prints which it
+    chose and why."""
+    store = CheckpointStore.from_env()
+    if store is None:
+        return None
+    settings = Settings.from_env()
+    if settings.resume_from and settings.resume_from != "latest":
+        source, chosen, why = _named(store, settings.resume_from)
+    else:
+        source = store
+        chosen, why = choose_resume(store.committed(), settings, store.uri)
+    if _rank() == 0:
+        print(f"torchdist checkpoints: {why}", flush=True)
+    return None if chosen is None else (source, chosen)
 
 
 def load_latest_checkpoint(map_location: Any = "cpu", *, weights_only: bool = True) -> tuple[int, Any] | None:
@@ -154,19 +190,10 @@ def load_latest_checkpoint(map_location: Any = "cpu", *, weights_only: bool = Tr
     newer checkpoint and take over rank 0 on the next restart. Use it only when every host that
     runs the training is trusted as much as the Airflow worker.
     """
-    store = CheckpointStore.from_env()
-    if store is None:
+    found = resume_choice()
+    if found is None:
         return None
-    settings = Settings.from_env()
-    if settings.resume_from and settings.resume_from != "latest":
-        source, chosen, why = _named(store, settings.resume_from)
-    else:
-        source = store
-        chosen, why = choose_resume(store.committed(), settings, store.uri)
-    if _rank() == 0:
-        print(f"torchdist checkpoints: {why}", flush=True)
-    if chosen is None:
-        return None
+    source, chosen = found
     with source.open_state(chosen) as state:
         loaded = load_state(
             state, source.uri_of(chosen), map_location=map_location, weights_only=weights_only

@@ -171,7 +171,14 @@
     return node;
   }
 
-  function drawChart(name, points) {
+  function checkpointTitle(mark) {
+    const values = Object.entries(mark.metrics || {})
+      .filter(([, value]) => typeof value === "number")
+      .map(([key, value]) => `${key}=${formatNumber(value)}`);
+    return `checkpoint at step ${mark.step}${mark.best ? " (best)" : ""}${values.length ? ": " + values.join(" ") : ""}`;
+  }
+
+  function drawChart(name, points, marks) {
     // x is the step; a record without one takes its place in the history.
     const series = [];
     points.forEach((point, index) => {
@@ -220,6 +227,21 @@
       );
     }
     chart.append(svg("text", { class: "axis", x: PAD.left - 6, y: axisY, "text-anchor": "end" }, "step"));
+    // The kept checkpoints (after the run): a dashed line at each one's step, the best one stronger.
+    for (const mark of marks || []) {
+      if (typeof mark.step !== "number" || mark.step < x0 || mark.step > x1) continue;
+      const x = sx(mark.step).toFixed(1);
+      const line = svg("line", {
+        class: mark.best ? "checkpoint best" : "checkpoint",
+        x1: x,
+        x2: x,
+        y1: PAD.top,
+        y2: HEIGHT - PAD.bottom,
+        "data-step": mark.step,
+      });
+      line.append(svg("title", {}, checkpointTitle(mark)));
+      chart.append(line);
+    }
     const coordinates = series.map(([x, y]) => `${sx(x).toFixed(1)},${sy(y).toFixed(1)}`).join(" ");
     chart.append(
       svg("polyline", {
@@ -264,7 +286,7 @@
     $("progress-bar").style.width = `${percent}%`;
     $("progress-bar").parentElement.setAttribute("aria-valuenow", String(Math.round(percent)));
     const charts = $("charts");
-    charts.replaceChildren(...metricNames(points).map((name) => drawChart(name, points)));
+    charts.replaceChildren(...metricNames(points).map((name) => drawChart(name, points, data.checkpoints)));
     showMessage(points.length ? "" : "No metrics reported yet: training code calls report(step=..., loss=...).");
     body.dataset.state = state;
     body.dataset.source = data.source || "";

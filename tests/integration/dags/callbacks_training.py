@@ -5,6 +5,10 @@
 - ``callbacks_lightning``: a Lightning ``Trainer(strategy="ddp")`` on a linear regressor with
   :class:`LightningReportCallback`; 24 steps, a log every 2.
 
+Each also keeps its Trainer's checkpoints in the task's checkpoint store with the framework's
+checkpoint callback (Hugging Face every 8 steps, ``save_steps``; Lightning every 8 steps), listed
+in the task's XCom ``checkpoints`` (the newest 2, by default).
+
 Both train with two ranks (``num_processes=2``, distributed mode on the embedded Spark master: one
 Spark task each), in seconds. The ``train`` task pushes the reports to XCom ``metrics``; ``check``
 reads them and returns ``{"reports": n, "steps": [...], "total_steps": [...], "names": [...]}``,
@@ -33,7 +37,10 @@ def train_transformers() -> dict[str, Any]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    from airflow_provider_torchdist.callbacks import TransformersReportCallback
+    from airflow_provider_torchdist.callbacks import (
+        TransformersCheckpointCallback,
+        TransformersReportCallback,
+    )
 
     torch.manual_seed(0)
     config = GPT2Config(
@@ -50,7 +57,7 @@ def train_transformers() -> dict[str, Any]:
             logging_steps=2,
             learning_rate=1e-3,
             report_to=[],
-            save_strategy="no",
+            save_steps=8,  # kept in the task's checkpoint store by TransformersCheckpointCallback
             use_cpu=True,
             disable_tqdm=True,
         )
@@ -58,7 +65,7 @@ def train_transformers() -> dict[str, Any]:
             model=GPT2LMHeadModel(config),
             args=args,
             train_dataset=data,
-            callbacks=[TransformersReportCallback()],
+            callbacks=[TransformersReportCallback(), TransformersCheckpointCallback()],
         )
         trainer.train()
     return {
@@ -75,7 +82,7 @@ def train_lightning() -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from airflow_provider_torchdist.callbacks import LightningReportCallback
+    from airflow_provider_torchdist.callbacks import LightningCheckpointCallback, LightningReportCallback
 
     class Regressor(L.LightningModule):
         def __init__(self) -> None:
@@ -101,7 +108,7 @@ def train_lightning() -> dict[str, Any]:
         num_nodes=2,
         max_epochs=3,
         log_every_n_steps=2,
-        callbacks=[LightningReportCallback()],
+        callbacks=[LightningReportCallback(), LightningCheckpointCallback(every_n_steps=8)],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

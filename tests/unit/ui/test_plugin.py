@@ -224,6 +224,7 @@ def client(auth: FakeAuthManager):
         {
             ("train_dag", RUN_ID, "train", -1): TaskFacts("success", reports(10), None, 2),
             ("train_dag", RUN_ID, "train", 3): TaskFacts("running", reports(2), None, 4),
+            ("train_dag", RUN_ID, "train", 4): TaskFacts("success", reports(10), None, 2, checkpoints=KEPT),
             ("train_dag", RUN_ID, "evaluate", -1): TaskFacts(
                 "success", operator="_PythonDecoratedOperator", custom_operator_name="@task"
             ),
@@ -240,6 +241,13 @@ def client(auth: FakeAuthManager):
     server = FastAPI()  # as Airflow's API server mounts plugin apps
     server.mount(URL_PREFIX, plugin_app)
     return TestClient(server)
+
+
+#: A succeeded task's XCom ``checkpoints``, best first (by val_loss).
+KEPT = [
+    {"uri": "s3://b/ckpt/step-000000006-0123456789ab", "step": 6, "metrics": {"val_loss": 0.1}, "time": 2.0},
+    {"uri": "s3://b/ckpt/step-000000009-0123456789ab", "step": 9, "metrics": {"val_loss": 0.4}, "time": 3.0},
+]
 
 
 def figures_path(dag_id: str = "train_dag", run_id: str = RUN_ID, task_id: str = "train") -> str:
@@ -497,3 +505,32 @@ def test_without_a_signing_key_the_api_server_asks_nobody_and_makes_no_key(asked
     assert task_facts._view_key() is None
     assert task_facts.live_history(_record("127.0.0.1"), TI) is None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_kept_checkpoints_are_marked_best_first(client):
+    answer = client.get(
+        figures_path(), params={"map_index": 4}, headers={"Authorization": "Bearer reader-token"}
+    )
+    assert answer.json()["checkpoints"] == [
+        {"step": 6, "best": True, "metrics": {"val_loss": 0.1}},
+        {"step": 9, "best": False, "metrics": {"val_loss": 0.4}},
+    ]
+    plain = client.get(figures_path(), headers={"Authorization": "Bearer reader-token"}).json()
+    assert "checkpoints" not in plain  # no checkpoints kept: nothing to mark
+
+
+def test_checkpoint_marks_leave_out_what_is_not_a_checkpoint_entry():
+    from airflow_provider_torchdist.ui.figures import checkpoint_marks
+
+    assert checkpoint_marks("not a list") == []
+    entries = [
+        "x",
+        {"step": "6"},
+        {"step": True},
+        {"step": 3, "metrics": {"loss": float("nan"), "a": "b"}},
+        {"step": 5},
+    ]
+    assert checkpoint_marks(entries) == [
+        {"step": 3, "best": True, "metrics": {"loss": None, "a": None}},
+        {"step": 5, "best": False, "metrics": {}},
+    ]

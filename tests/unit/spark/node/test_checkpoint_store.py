@@ -103,6 +103,9 @@ def test_a_store_that_cannot_be_written_fails_its_probe(s3_server: S3Server) -> 
         {"time": "Infinity"},
         {"run": ["not", "a", "dict"]},
         {"finished": "yes"},
+        {"files": {"../../victim": {"bytes": 1, "sha256": "0"}}},  # a path, not a file's name
+        {"files": {"sub/state.pt": {"bytes": 1, "sha256": "0"}}},
+        {"files": {".hidden": {"bytes": 1, "sha256": "0"}}},
     ],
 )
 def test_a_manifest_of_wrong_types_is_not_trusted_and_breaks_no_reader(
@@ -137,3 +140,34 @@ def test_a_step_directory_planted_as_a_symlink_is_not_trusted(tmp_path: Path) ->
     Path(store._join(step_dir(2, RUN))).symlink_to(elsewhere._join(step_dir(2, RUN)))
     assert store.committed(RUN) == [honest]
     assert elsewhere.committed(RUN) == [other]
+
+
+def test_a_checkpoint_of_several_files_is_committed_fetched_and_deleted_whole(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    """A framework's checkpoint folder: every file under one manifest, fetched checked, a
+    changed one refused, and all of them deleted with it."""
+    files = {"model.safetensors": b"weights", "optimizer.pt": b"moments", "trainer_state.json": b"{}"}
+    manifest = store.commit(Manifest(step=4, time=1.0, run=RUN), files)
+    assert sorted(manifest.files) == sorted(files)
+    assert store.committed() == [manifest]
+    into = tmp_path / "fetched"
+    assert store.fetch(manifest, str(into)) == sorted(files)
+    assert {p.name: p.read_bytes() for p in into.iterdir()} == files
+    plant(store, step_dir(4, RUN), "optimizer.pt", b"someone else's moments")
+    with pytest.raises(CheckpointStoreError, match="optimizer.pt does not match its manifest"):
+        store.fetch(manifest, str(tmp_path / "again"))
+    assert not any(p.name == "optimizer.pt" for p in (tmp_path / "again").iterdir())
+    store.delete(manifest)
+    assert store.committed() == []
+    if store.fs is None:
+        assert not os.path.exists(store._join(step_dir(4, RUN)))  # nothing of it left
+
+
+@pytest.mark.parametrize("name", ["../up", "a/b", ".hidden", "manifest.json", ""])
+def test_a_file_name_that_is_a_path_is_refused_before_anything_is_written(
+    store: CheckpointStore, name: str
+) -> None:
+    with pytest.raises(ValueError, match="cannot name a checkpoint's file"):
+        store.commit(Manifest(step=5, time=1.0, run=RUN), {name: b"x"})
+    assert store.committed() == []
