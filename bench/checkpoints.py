@@ -178,8 +178,9 @@ def run_baseline(store: Store, state: dict[str, torch.Tensor], round_no: int) ->
     return {
         "save_s": t2 - t0,
         "restore_s": t4 - t2,
-        "save_parts": {"serialize": t1 - t0, "sha256": 0.0, "place": t2 - t1, "other": 0.0},
-        "restore_parts": {"fetch": t3 - t2, "sha256": 0.0, "deserialize": t4 - t3},
+        # No hash, no fsync; locally nothing to place or fetch.
+        "save_parts": {"serialize": t1 - t0, **({"place": t2 - t1} if store.fs else {})},
+        "restore_parts": {**({"fetch": t3 - t2} if store.fs else {}), "deserialize": t4 - t3},
     }
 
 

@@ -443,6 +443,13 @@ def _throughput(sec: dict[str, Any]) -> list[str]:
         ],
         rows,
     )
+    if watchdog := sec.get("watchdog"):
+        lines += [
+            "",
+            "Every hook variant runs with the hang watchdog on (the default `hang_timeout`; "
+            "docs/hangs.md) but `hook_local_no_watchdog`, the local run with it off: on / off = "
+            f"**{watchdog['on_over_off']:.3f}**, medians of the same interleaved rounds.",
+        ]
     return lines + [""]
 
 
@@ -912,6 +919,68 @@ def _tracking(sec: dict[str, Any]) -> list[str]:
     )
 
 
+def _checkpoints(sec: dict[str, Any]) -> list[str]:
+    """Checkpoint save and restore throughput, the store against a hand-written baseline
+    (``bench/checkpoints.py``)."""
+    stores = {"local": "local disk (temp dir)", "s3": "S3 (moto server, s3fs over HTTP)"}
+    names = {
+        "torchdist": "torchdist: `save_checkpoint` / `load_latest_checkpoint`",
+        "baseline": "baseline: hand-written `torch.save` / `torch.load`",
+    }
+    lines = [
+        "### Checkpoint save and restore (1 GB)",
+        "",
+        f"`python bench/checkpoints.py --rounds {sec['rounds']}`: a state of {sec['tensors']} float32 tensors of "
+        f"{sec['tensor_mib']} MiB ({sec['state_bytes'] / 1e9:.2f} GB), saved and restored by the checkpoint "
+        "store (`save_checkpoint(state, step)`, then `load_latest_checkpoint()`, with the environment a rank "
+        "gets) and by a hand-written baseline (`torch.save` to a local file, then for S3 `fs.put_file`; "
+        "restore: for S3 `fs.get_file`, then `torch.load(weights_only=True)`), on a local temp dir and on "
+        "moto's S3 server (a separate process on this machine, reached by s3fs over HTTP). Rounds run "
+        f"interleaved after {sec['warmup']} uncounted warm-up round(s), into fresh directories and step "
+        "numbers each. GB/s is 10^9 bytes a second, the median of the rounds. The page cache could not be "
+        "dropped: a restore reads what was just written, both variants alike.",
+        "",
+    ]
+    rows, parts = [], []
+    for store, variants in sec["stats"].items():
+        ratios = sec["ratios"].get(store, {})
+        for variant, st in variants.items():
+            ours = variant == "torchdist"
+            rows.append(
+                [
+                    stores.get(store, store),
+                    names.get(variant, variant),
+                    _s(st["median_save_gb_s"]),
+                    _s(st["median_restore_gb_s"]),
+                    _s(ratios.get("save")) if ours else "–",
+                    _s(ratios.get("restore")) if ours else "–",
+                    f"{st['n']}/{sec['rounds']}",
+                    _load(sec["samples"][store][variant]),
+                ]
+            )
+            save, restore = st.get("median_save_parts", {}), st.get("median_restore_parts", {})
+            parts.append(
+                [stores.get(store, store), variant]
+                + [_s(save.get(k)) for k in ("serialize", "sha256", "place", "other")]
+                + [_s(restore.get(k)) for k in ("fetch", "sha256", "deserialize")]
+            )
+    header = ["store", "variant", "save GB/s", "restore GB/s", "save, torchdist / baseline"]
+    lines += _table([*header, "restore, torchdist / baseline", "ok", "load"], rows)
+    lines += [
+        "",
+        "Where the time goes, median seconds. Save: `torch.save` (serialize), the SHA-256 the store "
+        "records, the rename (local) or upload (S3) into place, and the rest (the store's fsync of its "
+        "temp file, the manifest, listing and retention). Restore: fetch (listing, the manifest, opening "
+        "or downloading the object), the SHA-256 check, `torch.load`. The baseline neither fsyncs nor "
+        "hashes. On S3 both variants upload with the same s3fs `put_file` to moto, a Python server on the "
+        "same two cores, so the upload's time follows the machine's load (the load column) more than the "
+        "variant; the store downloads through `fs.open` into a temp file, the baseline with `fs.get_file`.",
+        "",
+    ]
+    header = ["store", "variant", "serialize", "sha256", "rename / upload", "other"]
+    return lines + _table([*header, "fetch", "sha256 check", "deserialize"], parts) + [""]
+
+
 def render(results: dict[str, Any]) -> str:
     """Every result, as the markdown of ``docs/benchmarks.md``'s results section."""
     lines = ["## Results", ""]
@@ -931,6 +1000,7 @@ def render(results: dict[str, Any]) -> str:
         ("data_path_cluster", _data_path),
         ("steady_state", _steady_state),
         ("tracking", _tracking),
+        ("checkpoints", _checkpoints),
         ("chaos", _chaos),
     ):
         if key == "launch_changes":

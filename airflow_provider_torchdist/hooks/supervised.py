@@ -19,6 +19,7 @@ from airflow.providers.common.compat.sdk import AirflowTaskTimeout
 
 from airflow_provider_torchdist.errors import SparkSubmitFailed
 from airflow_provider_torchdist.spark.connect.sessions import planned_session_id
+from airflow_provider_torchdist.spark.driver.stragglers import split_summaries
 from airflow_provider_torchdist.spec import DEFAULT_REATTACH_TIMEOUT
 from airflow_provider_torchdist.submit.connect import interrupt_lost_run
 from airflow_provider_torchdist.supervision.lifeline import LifelineError, OwnerConnection, RunStatus
@@ -44,6 +45,7 @@ class SupervisedRunsMixin:
     record: RunRecord | None
     run_status: RunStatus | None
     metrics: list[dict[str, Any]]
+    rank_step_times: list[dict[str, Any]]
     world_sizes: list[dict[str, Any]]
     on_metrics: Callable[[list[dict[str, Any]]], None] | None
 
@@ -142,12 +144,16 @@ class SupervisedRunsMixin:
         if owner is None:
             owner = connect_owner(record, since=since)
         self._owner, self.record = owner, record
-        self.metrics, self.run_status, self.world_sizes = list(owner.status.metrics), None, []
+        self.metrics, self.rank_step_times = split_summaries(list(owner.status.metrics))
+        self.run_status, self.world_sizes = None, []
         if self.metrics and self.on_metrics and not owner.status.ended:
             self.on_metrics(self.metrics)  # a new owner of a run under way: the history so far at once
         try:
             status = self._follow_events(owner, record)
-            self.metrics, self.run_status = list(status.metrics), status
+            (self.metrics, self.rank_step_times), self.run_status = (
+                split_summaries(list(status.metrics)),
+                status,
+            )
             self.world_sizes = list(status.world_sizes)
             if status.state != "succeeded":
                 self._release(owner, record, wait_for_teardown)

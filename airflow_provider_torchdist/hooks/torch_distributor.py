@@ -26,6 +26,7 @@ from airflow_provider_torchdist.hooks.arguments import HOOK_SETTINGS, hook_signa
 from airflow_provider_torchdist.hooks.in_process import end_submission, raise_for_outcome, submit_and_follow
 from airflow_provider_torchdist.hooks.supervised import SupervisedRunsMixin
 from airflow_provider_torchdist.links import ApplicationLinks
+from airflow_provider_torchdist.spark.driver.stragglers import is_rank_summary, split_summaries
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.output_store import read_output
 from airflow_provider_torchdist.spec import (
@@ -112,6 +113,9 @@ class TorchDistributorHook(SupervisedRunsMixin, BaseHook):
         #: "world_size": n, "reason": why}``, one entry at the start and one per change (an elastic
         #: run's losses and joins); empty before a run ends.
         self.world_sizes: list[dict[str, Any]] = []
+        #: Each rank's mean step time and compute share (``{"rank", "time", "mean_step_time_s",
+        #: "compute_share"}``), which the run adds at its end when the hang watchdog is on.
+        self.rank_step_times: list[dict[str, Any]] = []
         #: The supervised run's final status, once :meth:`follow` has seen it end.
         self.run_status: RunStatus | None = None
         self.plan: SubmitPlan | None = None
@@ -185,7 +189,7 @@ class TorchDistributorHook(SupervisedRunsMixin, BaseHook):
 
     def _submit(self, plan: SubmitPlan, staged: StagedRun) -> None:
         self.submission = submission_for(plan)
-        self.metrics, self.world_sizes = [], []
+        self.metrics, self.world_sizes, self.rank_step_times = [], [], []
         outcome, submit_error = submit_and_follow(
             self.submission,
             staged,
@@ -194,7 +198,8 @@ class TorchDistributorHook(SupervisedRunsMixin, BaseHook):
             on_metric=self._metric_reported,
         )
         if outcome is not None:  # the complete history (without one, what was followed live)
-            self.metrics, self.world_sizes = outcome.metrics, outcome.world_sizes
+            self.metrics, self.rank_step_times = split_summaries(outcome.metrics)
+            self.world_sizes = outcome.world_sizes
         raise_for_outcome(outcome, submit_error, staged)
 
     def _application_started(self, app_id: str, ui_url: str | None, operation: str | None = None) -> None:
@@ -216,6 +221,9 @@ class TorchDistributorHook(SupervisedRunsMixin, BaseHook):
             self.on_operation(operation)
 
     def _metric_reported(self, record: dict[str, Any]) -> None:
+        if is_rank_summary(record):  # a rank's step time, at the end: not a report
+            self.rank_step_times.append(record)
+            return
         self.metrics.append(record)
         if self.on_metrics:
             self.on_metrics(self.metrics)

@@ -275,7 +275,7 @@ class SupervisedRunMixin(ResumableJobMixin):
             raise
         finally:
             tracked = self._end_follow(metrics, context, value, followed)
-        push_world_sizes(ti, hook.world_sizes)
+        push_world_sizes(ti, hook.world_sizes, getattr(hook, "rank_step_times", []))
         extra = tracked | best_checkpoint(finish_checkpoints(ti, hook.spec, self.log))  # XCom checkpoints
         if self.outlets and hook.run_status is not None:
             # The size it ended with: an elastic run's last one, else the one it had throughout.

@@ -30,6 +30,9 @@ METRICS_XCOM_KEY = "metrics"
 #: XCom key of how the world size went over a succeeded run:
 #: ``[{"time": 1767225600.1, "world_size": 4, "reason": "start"}, ...]`` (see ``hook.world_sizes``).
 WORLD_SIZES_XCOM_KEY = "world_sizes"
+#: XCom key of each rank's mean step time and compute share, when the hang watchdog is on:
+#: ``[{"rank": 0, "time": ..., "mean_step_time_s": 0.17, "compute_share": 0.31}, ...]``.
+RANK_STEP_TIMES_XCOM_KEY = "rank_step_times"
 #: XCom key of the run's checkpoint directory, an absolute local path (``checkpoint_dir``, or this
 #: task's default), pushed before the run is followed, so a downstream task need not rebuild it.
 CHECKPOINT_DIR_XCOM_KEY = "checkpoint_dir"
@@ -149,10 +152,15 @@ def metrics_pusher(ti: Any, interval: float = METRICS_PUSH_INTERVAL_S, **timing:
     return ThrottledPush(push, interval, **timing)
 
 
-def push_world_sizes(ti: Any, world_sizes: list[dict[str, Any]]) -> None:
+def push_world_sizes(
+    ti: Any, world_sizes: list[dict[str, Any]], rank_step_times: list[dict[str, Any]] | None = None
+) -> None:
     """Push a succeeded run's world sizes to ``ti``'s XCom ``world_sizes``: one entry for a fixed
-    world, one more per change for an elastic run (which of its nodes it lost or took in, when)."""
+    world, one more per change for an elastic run (which of its nodes it lost or took in, when);
+    and each rank's step time to ``rank_step_times``, when the run has them (the hang watchdog on)."""
     ti.xcom_push(key=WORLD_SIZES_XCOM_KEY, value=list(world_sizes))
+    if rank_step_times:
+        ti.xcom_push(key=RANK_STEP_TIMES_XCOM_KEY, value=list(rank_step_times))
 
 
 def push_checkpoint_dir(ti: Any, spec: TrainingSpec) -> None:

@@ -102,7 +102,7 @@ def create_app() -> FastAPI:
         if not is_training_task(facts):
             return not_a_training_task(task_id, facts)
         source, history = metric_history(facts, live, TaskBinding(dag_id, run_id, task_id, map_index))
-        figures = training_figures(facts.state, history, facts.world_size, source)
+        figures = training_figures(facts.state, history, facts.world_size, source, facts.rank_step_times)
         tracked = {"mlflow_run_url": facts.mlflow_run_url} if facts.mlflow_run_url else {}
         kept = {"checkpoints": marks} if (marks := checkpoint_marks(facts.checkpoints)) else {}
         return {"training_task": True, **figures, **tracked, **kept}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from airflow_provider_torchdist.spark.driver.stragglers import COMPUTE_SHARE, MEAN_STEP_TIME, is_rank_summary
 from airflow_provider_torchdist.spark.node.metrics import RECORD_FIELDS
 
 #: Task instance states after which nothing more is reported: the view stops refreshing.
@@ -106,18 +107,44 @@ def _eta(counted: list[dict[str, Any]], done: int, total: int, state: str | None
 
 
 def training_figures(
-    state: str | None, history: list[Any], world_size: int | None, source: str | None
+    state: str | None,
+    history: list[Any],
+    world_size: int | None,
+    source: str | None,
+    step_times: Any = None,
 ) -> dict[str, Any]:
     """The JSON endpoint's answer for one task instance (see the module docstring); ``source`` says
-    where ``history`` came from: ``"live"`` (the run's supervisor) or ``"xcom"``."""
-    records = charted_records(history)
-    return {
+    where ``history`` came from: ``"live"`` (the run's supervisor) or ``"xcom"``. ``step_times``:
+    XCom ``rank_step_times`` (a live history carries them itself, at its end)."""
+    reports = [r for r in history if not is_rank_summary(r)]
+    records = charted_records(reports)
+    figures = {
         "state": state,
         "source": source,
         "world_size": world_size,
         "metrics": metric_points(records),
         "progress": progress(records, state),
     }
+    ranks = rank_step_times(history) or rank_step_times(step_times if isinstance(step_times, list) else [])
+    return {**figures, "ranks": ranks} if ranks else figures
+
+
+def rank_step_times(history: list[Any]) -> list[dict[str, Any]]:
+    """Each rank's mean step time, steps per second and compute share, from the records the driver
+    adds at the end of a run (:func:`~airflow_provider_torchdist.spark.driver.stragglers.step_time_records`),
+    by rank (the latest per rank)."""
+    found: dict[int, dict[str, Any]] = {}
+    for record in history:
+        if not is_rank_summary(record) or not _is_step(record.get("rank")):
+            continue
+        mean = _json_number(record.get(MEAN_STEP_TIME))
+        found[record["rank"]] = {
+            "rank": record["rank"],
+            MEAN_STEP_TIME: mean,
+            "steps_per_s": round(1 / mean, 3) if mean else None,
+            COMPUTE_SHARE: _json_number(record.get(COMPUTE_SHARE)),
+        }
+    return [found[rank] for rank in sorted(found)]
 
 
 def checkpoint_marks(entries: Any) -> list[dict[str, Any]]:

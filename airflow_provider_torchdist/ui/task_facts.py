@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from airflow_provider_torchdist.links import MLFLOW_RUN_XCOM_KEY
 from airflow_provider_torchdist.operators.checkpoint_registry import CHECKPOINTS_XCOM_KEY
-from airflow_provider_torchdist.operators.xcom import METRICS_XCOM_KEY
+from airflow_provider_torchdist.operators.xcom import METRICS_XCOM_KEY, RANK_STEP_TIMES_XCOM_KEY
 from airflow_provider_torchdist.supervision.record import RECORD_KEY, TaskBinding
 from airflow_provider_torchdist.ui.figures import FINISHED_STATES
 
@@ -52,6 +52,8 @@ class TaskFacts:
     mlflow_run_url: str | None = None
     #: The kept checkpoints of a succeeded run (XCom ``checkpoints``, best first); None when none.
     checkpoints: Any = None
+    #: Each rank's step time (XCom ``rank_step_times``), once the run has ended; None when none.
+    rank_step_times: Any = None
 
 
 #: The operators whose tasks train (the operator, and the ``@task.torch_distributor`` decorator's).
@@ -114,6 +116,7 @@ class AirflowTaskFacts:
         history = self._xcom_value(METRICS_XCOM_KEY, dag_id, run_id, task_id, map_index)
         mlflow_url = self._xcom_value(MLFLOW_RUN_XCOM_KEY, dag_id, run_id, task_id, map_index)
         kept = self._xcom_value(CHECKPOINTS_XCOM_KEY, dag_id, run_id, task_id, map_index)
+        step_times = self._xcom_value(RANK_STEP_TIMES_XCOM_KEY, dag_id, run_id, task_id, map_index)
         return TaskFacts(
             state=None if row.state is None else str(getattr(row.state, "value", row.state)),
             history=history,
@@ -123,6 +126,7 @@ class AirflowTaskFacts:
             custom_operator_name=row.custom_operator_name or None,
             mlflow_run_url=mlflow_url if isinstance(mlflow_url, str) and mlflow_url else None,
             checkpoints=kept or None,
+            rank_step_times=step_times or None,
         )
 
     def _xcom_value(self, key: str, dag_id: str, run_id: str, task_id: str, map_index: int) -> Any:

@@ -1,6 +1,7 @@
 """Run one workload function through the hook and print its (JSON-able) value.
 
-``python hook_call.py MODULE:FUNCTION --local|--distributed [--nproc-per-node N] [--kwargs JSON]``
+``python hook_call.py MODULE:FUNCTION --local|--distributed [--nproc-per-node N] [--hang-timeout S]
+[--kwargs JSON]`` (``--hang-timeout 0``: the hang watchdog off; by default the hook's default).
 with MODULE a file in this directory. Prints one ``RESULT {json}`` line.
 """
 
@@ -25,12 +26,14 @@ def main() -> None:
     mode.add_argument("--local", action="store_true")
     mode.add_argument("--distributed", action="store_true")
     parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--hang-timeout", type=float, default=None, help="0: the hang watchdog off")
     parser.add_argument("--kwargs", default="{}", help="keyword arguments, as JSON")
     args = parser.parse_args()
     module, _, name = args.target.partition(":")
     fn = getattr(importlib.import_module(module), name)
+    watchdog = {} if args.hang_timeout is None else {"hang_timeout": args.hang_timeout or None}
     hook = TorchDistributorHook(
-        num_processes=2, local_mode=args.local, use_gpu=False, nproc_per_node=args.nproc_per_node
+        num_processes=2, local_mode=args.local, use_gpu=False, nproc_per_node=args.nproc_per_node, **watchdog
     )
     start = time.time()
     value = hook.run(fn, **json.loads(args.kwargs))

@@ -128,3 +128,50 @@ def test_a_healthy_run_with_slow_steps_beside_a_cpu_hog_is_never_flagged(tmp_pat
     log = "".join(capfd.readouterr())
     assert "training finished on all ranks" in log
     assert "looks hung" not in log and "] hang: " not in log and "stacks of" not in log, log
+    assert "straggler:" not in log, log
+
+
+def train_with_a_straggler(seconds: float, work_s: float = 0.05, slower: float = 3.0) -> dict:
+    """A gloo loop whose step is ``work_s`` of computing (a spin: the main thread busy in user code)
+    then an all_reduce, rank 1's ``slower`` times longer, for ``seconds``; one report() a step."""
+    import torch
+    import torch.distributed as dist
+
+    from airflow_provider_torchdist import report
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    spin = work_s * (slower if rank == 1 else 1.0)
+    started, step = time.monotonic(), 0
+    flag = torch.ones(1)
+    while flag.item() > 0:
+        end = time.perf_counter() + spin
+        while time.perf_counter() < end:
+            pass
+        # Rank 0 decides when to stop, so every rank runs the same number of collectives.
+        flag = torch.tensor([1.0 if rank != 0 or time.monotonic() - started < seconds else 0.0])
+        dist.broadcast(flag, src=0)
+        dist.all_reduce(torch.ones(1))
+        report(step=step)
+        step += 1
+    dist.destroy_process_group()
+    return {"steps": step}
+
+
+def test_a_rank_slowed_three_times_is_named_as_a_straggler_and_the_run_succeeds(capfd):
+    from airflow_provider_torchdist.spark.driver.stragglers import SUSTAIN_S, WINDOW_S
+
+    hook = TorchDistributorHook(num_processes=2, local_mode=True, hang_timeout=HANG_TIMEOUT)
+    assert hook.run(train_with_a_straggler, SUSTAIN_S + WINDOW_S / 2 + 10)["steps"] > 20
+    log = "".join(capfd.readouterr())
+    named = [line for line in log.splitlines() if "straggler:" in line]
+    assert len(named) == 1, named  # once, and only rank 1
+    assert "straggler: [rank 1 @ 127.0.0.1] has run" in named[0] and "slower than the other ranks" in named[0]
+    factor = float(named[0].split("has run ")[1].split("x slower")[0])
+    assert factor >= 2.0, named[0]  # compute time a step, by sampling: about 3 on a quiet machine
+    # Each rank's mean step time (equal: they step together) and compute share, apart from the reports.
+    summary = {m["rank"]: m for m in hook.rank_step_times}
+    assert sorted(summary) == [0, 1], hook.rank_step_times
+    assert all("step" in m for m in hook.metrics)  # the reports alone
+    assert summary[1]["compute_share"] > 0.8 > 0.6 > summary[0]["compute_share"], summary
+    assert abs(summary[0]["mean_step_time_s"] - summary[1]["mean_step_time_s"]) < 0.05, summary

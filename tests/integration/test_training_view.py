@@ -274,11 +274,18 @@ def test_the_view_follows_the_run_then_shows_the_whole_curve(
     assert done["metrics"] == xcom_points(deployment, run_id)
     assert done["progress"] == {"step": STEPS - 1, "total_steps": STEPS, "fraction": 1.0, "eta_seconds": 0.0}
     assert done["world_size"] == WORLD_SIZE
+    # Each rank's step time, which the run adds at its end (the hang watchdog's): XCom rank_step_times.
+    assert deployment.xcom(DAG_ID, run_id, TASK_ID, "rank_step_times") is not None
+    assert [r["rank"] for r in done["ranks"]] == list(range(WORLD_SIZE)), done.get("ranks")
+    ranks = done["ranks"]
+    assert ranks[0]["mean_step_time_s"] > 0, ranks  # rank 0 reports each step; the others only sleep
+    assert all(0 <= r["compute_share"] <= 1 for r in ranks), ranks
 
     for theme in ("light", "dark"):
         dom = rendered(browser, view_url(deployment, run_id, theme), tmp_path / f"dom-done-{theme}")
         check_view_dom(dom, theme, STEPS, "8 / 8 steps (100%)", "success")
         assert 'id="eta-text">done<' in dom
+        assert len(re.findall(r'<tr data-rank="\d+">', dom)) == WORLD_SIZE, dom[-3000:]
     check_screenshots(browser, deployment, run_id, "done", tmp_path)
 
 

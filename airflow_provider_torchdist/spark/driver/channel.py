@@ -189,6 +189,12 @@ class RunChannel:
     def node_hosts(self) -> dict[int, str | None]:
         return self.ledger.node_hosts
 
+    def publish_metric(self, record: dict[str, Any]) -> None:
+        """Add ``record`` to the run's metrics: kept, sent to the owners, shown in the task log."""
+        self.ledger.metric(record)
+        self.owners.publish(wire.Metric(record))
+        self._log(f"[metrics] {format_metrics(record)}")
+
     def say(self, text: str) -> None:
         """A line of the driver's own in the task log: ``[torchdist] text``."""
         self._log(f"[torchdist] {text}")
@@ -310,10 +316,8 @@ class RunChannel:
                 )
                 if not held:
                     self._log(line)
-            case wire.Metric(record=record):
-                self.ledger.metric(record)
-                self.owners.publish(msg)
-                self._log(f"[metrics] {format_metrics(record)}")
+            case wire.Metric():
+                self.publish_metric(msg.record)
             case wire.RankError() if rank is not None:
                 self._show_failed([rank])
                 self.ledger.rank_raised(rank, this.host, msg)

@@ -48,6 +48,21 @@ class RankProgress:
     waits_in: str | None = None
     pid: int | None = None
     stacks: Stacks | None = None
+    #: Samples of its main thread, and those not waiting in torch.distributed (its compute share).
+    samples: int = 0
+    busy: int = 0
+    #: ``(time, events)`` when its events were first seen, and when they last grew: its mean step time.
+    first_events: tuple[float, int] | None = None
+    last_events: tuple[float, int] | None = None
+
+    @property
+    def mean_step_time_s(self) -> float | None:
+        """Seconds per progress event (a step, for a loop that reports or a callback) between the
+        first and the last message that counted events; None before two such messages."""
+        if self.first_events is None or self.last_events is None:
+            return None
+        (t0, e0), (t1, e1) = self.first_events, self.last_events
+        return (t1 - t0) / (e1 - e0) if e1 > e0 else None
 
     @property
     def prefix(self) -> str:
@@ -133,6 +148,8 @@ class HangDetector:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ranks: dict[Hashable, RankProgress] = {}
+        #: The last state of each rank whose connection ended (its step times outlive it).
+        self._ended: dict[int, RankProgress] = {}
         self.asked = threading.Condition(self._lock)
 
     def connected(self, key: Hashable, rank: int, host: str | None, now: float) -> None:
@@ -142,7 +159,9 @@ class HangDetector:
     def gone(self, key: Hashable) -> None:
         """A rank's connection ended: it returned (or died, which its agent reports); not hung."""
         with self._lock:
-            self._ranks.pop(key, None)
+            state = self._ranks.pop(key, None)
+            if state is not None:
+                self._ended[state.rank] = state
             self.asked.notify_all()
 
     def progress(self, key: Hashable, msg: Progress, now: float) -> None:
@@ -163,6 +182,12 @@ class HangDetector:
             state.where, state.waits_in = msg.where, msg.waits_in
             if msg.event_gap_s is not None:
                 state.event_gap_s = msg.event_gap_s
+            if msg.samples is not None and msg.busy is not None:
+                state.samples, state.busy = msg.samples, msg.busy
+            if msg.events > 0 and state.first_events is None:
+                state.first_events = (now, msg.events)
+            elif state.first_events is not None and msg.events > state.first_events[1]:
+                state.last_events = (now, msg.events)
 
     def answered(self, key: Hashable, msg: Stacks) -> None:
         """A rank's stacks, after a request."""
@@ -194,6 +219,12 @@ class HangDetector:
         with self._lock:
             ranks = sorted(self._ranks.values(), key=lambda s: s.rank)
             return HangVerdict(hang_timeout, stalled, [RankProgress(**vars(s)) for s in ranks], now)
+
+    def every_rank(self) -> list[RankProgress]:
+        """A copy of each rank's latest state, live or ended (the newest connection's per rank)."""
+        with self._lock:
+            latest = {**self._ended, **{s.rank: s for s in self._ranks.values()}}
+            return [RankProgress(**vars(latest[r])) for r in sorted(latest)]
 
     def ranks(self) -> set[int]:
         with self._lock:

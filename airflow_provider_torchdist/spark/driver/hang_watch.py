@@ -13,6 +13,9 @@ When a rank has made no progress for ``hang_timeout`` seconds, it
    cluster it cancels the barrier stage;
 4. leaves the run's error in :attr:`HangWatch.error` (it starts with
    :data:`~.hang_detection.HUNG_ERROR_PREFIX`): the task fails with ``TrainingHung``.
+
+While the run is not hung it also looks for stragglers (:mod:`.stragglers`), and at the end adds
+each rank's mean step time and compute share to the run's metrics.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from airflow_provider_torchdist.spark.driver.hang_detection import HangDetector, HangVerdict
 from airflow_provider_torchdist.spark.driver.stop_fanout import StopFanout
+from airflow_provider_torchdist.spark.driver.stragglers import StragglerCheck, step_time_records
 from airflow_provider_torchdist.spark.wire.protocol import StackRequest, encode
 
 if TYPE_CHECKING:
@@ -90,8 +94,12 @@ class HangWatch:
         hard_stop: Callable[[list[int]], object],
         every: float = CHECK_EVERY_S,
         stacks_wait: float = STACKS_WAIT_S,
+        publish: Callable[[dict], None] | None = None,
     ) -> None:
+        """``publish``: adds a record to the run's metrics (each rank's step time, at the end)."""
         self.ranks, self._stops, self._say, self._hard_stop = ranks, stops, say, hard_stop
+        self._publish = publish
+        self.stragglers = StragglerCheck(say)
         self.hang_timeout, self._grace = hang_timeout, grace
         self._every, self._stacks_wait = every, stacks_wait
         self._done = threading.Event()
@@ -108,12 +116,15 @@ class HangWatch:
 
     def __exit__(self, *exc: object) -> None:
         self._done.set()
+        if self.hang_timeout and self._publish is not None:
+            for record in step_time_records(self.ranks.every_rank()):
+                self._publish(record)
 
     def _run(self) -> None:
         while not self._done.wait(self._every):
             try:
-                if self.verdict is None:
-                    self.check()
+                if self.verdict is None and not self.check():
+                    self.stragglers.check(self.ranks.every_rank())
                 elif self._ended and self.ranks.ranks():
                     # torchrun may restart the worker group (max_restarts): the hung run stays ended.
                     self._hard_stop(self.ranks.pids())
@@ -199,4 +210,5 @@ def watch_hangs(
         hang_timeout=spec.hang_timeout,
         grace=spec.stop_grace_period,
         hard_stop=hard_stop,
+        publish=channel.publish_metric,
     )

@@ -47,6 +47,33 @@ def digest(source: BinaryIO) -> dict[str, Any]:
     return {"bytes": size, "sha256": sha.hexdigest()}
 
 
+class HashingWriter:
+    """A file open for writing that hashes what is written as it goes: the SHA-256 a manifest
+    records, without reading a checkpoint back once more. Anything but ``write`` goes to the file.
+    A write anywhere but at the end (a writer that seeks back) makes :attr:`sequential` false, and
+    the caller hashes the file instead."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self._out, self._sha, self.size, self.sequential = out, hashlib.sha256(), 0, True
+
+    def write(self, data: Any) -> int:
+        if self.sequential and self._out.tell() != self.size:
+            self.sequential = False
+        written = self._out.write(data)
+        if self.sequential:
+            view = memoryview(data).cast("B")
+            self._sha.update(view[:written])
+            self.size += written
+        return written
+
+    def digest(self) -> dict[str, Any]:
+        """What :func:`digest` would say of the file written."""
+        return {"bytes": self.size, "sha256": self._sha.hexdigest()}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._out, name)
+
+
 class StoreObjects:
     """A checkpoint directory's objects, local or remote: what :class:`CheckpointStore` is built on.
 

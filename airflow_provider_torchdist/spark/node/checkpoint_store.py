@@ -29,7 +29,12 @@ from contextlib import contextmanager
 from typing import Any, BinaryIO
 
 from airflow_provider_torchdist.spark.node.checkpoint_files import CHUNK
-from airflow_provider_torchdist.spark.node.checkpoint_io import StoreObjects, digest, local_path
+from airflow_provider_torchdist.spark.node.checkpoint_io import (
+    HashingWriter,
+    StoreObjects,
+    digest,
+    local_path,
+)
 from airflow_provider_torchdist.spark.node.checkpoint_manifest import (
     CHECKPOINT_ENV,
     MANIFEST,
@@ -150,9 +155,12 @@ class CheckpointStore(StoreObjects):
         )
         try:
             with os.fdopen(fd, "w+b") as out:
-                write(out)
+                hashing = HashingWriter(out)
+                write(hashing)  # type: ignore[arg-type]
                 out.flush()
                 os.fsync(out.fileno())
+                if hashing.sequential:  # hashed as it was written (torch.save writes in order)
+                    return tmp, hashing.digest()
                 out.seek(0)
                 return tmp, digest(out)
         except BaseException:

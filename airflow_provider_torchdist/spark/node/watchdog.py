@@ -40,7 +40,7 @@ from airflow_provider_torchdist.spark.wire.watchdog_messages import (
 
 #: How often the main thread's position is sampled.
 SAMPLE_EVERY_S = 0.5
-#: How often a rank sends its progress (a message of about 100 bytes).
+#: How often a rank sends its progress (a message of under 200 bytes).
 PROGRESS_EVERY_S = 2.0
 #: Where GPU runs' ranks dump NCCL's flight recorder (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, set by the
 #: launcher); the rank number is appended, as torch does.
@@ -210,24 +210,34 @@ class RankWatchdog:
         self._done = threading.Event()
         self._last: tuple[tuple[int, int], ...] | None = None
         self.moves = 0
+        #: Samples taken, and those in which the main thread was not waiting in torch.distributed.
+        self.samples, self.busy = 0, 0
         self._thread = threading.Thread(target=self._run, name="torchdist-watchdog", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        self._done.set()
+        """End the thread, with one last progress message: the rank's final counts (its last steps
+        may have come after the thread's last message, and its mean step time counts them)."""
+        if not self._done.is_set():
+            self._done.set()
+            self._send(self.progress())
 
     def _main_frame(self) -> FrameType | None:
         return sys._current_frames().get(self._main) if self._main is not None else None
 
     def sample(self) -> None:
         """Look once at the main thread: a move when its stack differs from the last sample's."""
-        frame, signature = self._main_frame(), []
+        frame = self._main_frame()
+        stack, signature = frames_of(frame), []
         while frame is not None:
             signature.append((id(frame.f_code), frame.f_lineno))
             frame = frame.f_back
         now = tuple(signature)
+        self.samples += 1
+        if position(stack)[1] is None:  # computing (or anything but waiting for the other ranks)
+            self.busy += 1
         # Once the user's code returned, the rank only hands over what it made: that is progress.
         if (self._last is not None and now != self._last) or progress.work_done.is_set():
             self.moves += 1
@@ -237,7 +247,17 @@ class RankWatchdog:
         """This rank's progress message now."""
         events, gap = progress.take()
         where, waits_in = position(frames_of(self._main_frame()))
-        return Progress(events, self.moves, gap, where, waits_in, os.getpid(), collectives_issued())
+        return Progress(
+            events,
+            self.moves,
+            gap,
+            where,
+            waits_in,
+            os.getpid(),
+            collectives_issued(),
+            self.samples,
+            self.busy,
+        )
 
     def stacks(self) -> Stacks:
         """The answer to the driver's request for stacks: every thread's, and where the main one is."""

@@ -41,7 +41,11 @@ class Progress(Message):
     (``file:line in function``); ``waits_in``: the torch.distributed function it is in now, if
     any; ``pid``: the rank's process (the driver ends it by PID only when it is its own child);
     ``collectives``: how many collectives it has issued on its default process group (None before
-    it has one): a loop whose time goes to one blocking call still issues them, step after step.
+    it has one): a loop whose time goes to one blocking call still issues them, step after step;
+    ``samples`` and ``busy``: how many times the main thread was sampled, and how many of those it
+    was not waiting in a torch.distributed call (its compute share, which a straggler check
+    compares: in synchronous training every rank's step takes as long as the slowest one's, but
+    only the slow one does not wait).
     """
 
     KIND = "progress"
@@ -53,6 +57,8 @@ class Progress(Message):
         ("waits_in", "in", _STR, True),
         ("pid", "pid", _INT, False),
         ("collectives", "c", _INT, True),
+        ("samples", "s", _INT, True),
+        ("busy", "b", _INT, True),
     )
     events: int
     moves: int
@@ -61,12 +67,16 @@ class Progress(Message):
     waits_in: str | None
     pid: int
     collectives: int | None = None
+    samples: int | None = None
+    busy: int | None = None
 
     def check(self) -> None:
         if self.events < 0 or self.moves < 0 or self.pid <= 0 or (self.collectives or 0) < 0:
             raise ProtocolError(
                 f"'progress' message: bad counts or pid ({self.events}, {self.moves}, {self.pid})"
             )
+        if not 0 <= (self.busy or 0) <= (self.samples or 0):
+            raise ProtocolError(f"'progress' message: bad sample counts ({self.busy} of {self.samples})")
         if self.event_gap_s is not None and not 0 <= self.event_gap_s < 1e9:  # NaN fails this too
             raise ProtocolError(f"'progress' message: bad event gap {self.event_gap_s}")
         _check_text(self.KIND, "where", self.where, WHERE_CHARS)

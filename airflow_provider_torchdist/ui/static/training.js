@@ -261,6 +261,25 @@
 
   // -- the page ----------------------------------------------------------------------------------
 
+  function renderRanks(ranks) {
+    // Each rank's step time and compute share, which the run adds to its metrics at the end.
+    const rows = (ranks || []).map((rank) => {
+      const row = document.createElement("tr");
+      row.dataset.rank = String(rank.rank);
+      const share = typeof rank.compute_share === "number" ? `${Math.round(rank.compute_share * 100)}%` : "–";
+      const mean = typeof rank.mean_step_time_s === "number" ? `${formatNumber(rank.mean_step_time_s)} s` : "–";
+      const rate = typeof rank.steps_per_s === "number" ? formatNumber(rank.steps_per_s) : "–";
+      for (const text of [String(rank.rank), mean, rate, share]) {
+        const cell = document.createElement("td");
+        cell.textContent = text;
+        row.append(cell);
+      }
+      return row;
+    });
+    $("rank-rows").replaceChildren(...rows);
+    $("ranks").hidden = !rows.length;
+  }
+
   function showMessage(text) {
     const message = $("message");
     message.textContent = text || "";
@@ -287,6 +306,7 @@
     $("progress-bar").parentElement.setAttribute("aria-valuenow", String(Math.round(percent)));
     const charts = $("charts");
     charts.replaceChildren(...metricNames(points).map((name) => drawChart(name, points, data.checkpoints)));
+    renderRanks(data.ranks);
     showMessage(points.length ? "" : "No metrics reported yet: training code calls report(step=..., loss=...).");
     body.dataset.state = state;
     body.dataset.source = data.source || "";

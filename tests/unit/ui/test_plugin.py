@@ -534,3 +534,24 @@ def test_checkpoint_marks_leave_out_what_is_not_a_checkpoint_entry():
         {"step": 3, "best": True, "metrics": {"loss": None, "a": None}},
         {"step": 5, "best": False, "metrics": {}},
     ]
+
+
+def test_each_ranks_step_time_is_listed_apart_from_the_curves():
+    history = [
+        *reports(3),
+        {"rank": 1, "time": 9.0, "mean_step_time_s": 0.5, "compute_share": 0.9},
+        {"rank": 0, "time": 9.0, "mean_step_time_s": 0.5, "compute_share": 0.3},
+        {"rank": "x", "time": 9.0, "mean_step_time_s": 0.5},
+        {"rank": 2, "time": 9.0, "compute_share": 0.4},
+    ]
+    figures = training_figures("success", history, 2, "xcom")
+    assert figures["metrics"] == training_figures("success", reports(3), 2, "xcom")["metrics"]  # not charted
+    assert figures["ranks"] == [
+        {"rank": 0, "mean_step_time_s": 0.5, "steps_per_s": 2.0, "compute_share": 0.3},
+        {"rank": 1, "mean_step_time_s": 0.5, "steps_per_s": 2.0, "compute_share": 0.9},
+        {"rank": 2, "mean_step_time_s": None, "steps_per_s": None, "compute_share": 0.4},
+    ]
+    assert "ranks" not in training_figures("success", reports(3), 2, "xcom")
+    # After the run they come from XCom rank_step_times, the history holding reports only.
+    apart = training_figures("success", reports(3), 2, "xcom", history[3:5])
+    assert [r["rank"] for r in apart["ranks"]] == [0, 1]

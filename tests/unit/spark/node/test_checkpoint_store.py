@@ -4,11 +4,13 @@ written, and only files that match it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from airflow_provider_torchdist.spark.node.checkpoint_files import CheckpointNotAFile
 from airflow_provider_torchdist.spark.node.checkpoint_manifest import MANIFEST, STATE, Manifest, step_dir
@@ -171,3 +173,24 @@ def test_a_file_name_that_is_a_path_is_refused_before_anything_is_written(
     with pytest.raises(ValueError, match="cannot name a checkpoint's file"):
         store.commit(Manifest(step=5, time=1.0, run=RUN), {name: b"x"})
     assert store.committed() == []
+
+
+def test_a_file_hashed_as_it_is_written_has_the_digest_of_its_bytes(tmp_path: Path) -> None:
+    """The store hashes a checkpoint as it is written; a writer that seeks back is hashed after."""
+    import io
+
+    from airflow_provider_torchdist.spark.node.checkpoint_io import HashingWriter, digest
+
+    with open(tmp_path / "f", "w+b") as out:
+        hashing = HashingWriter(out)
+        torch.save({"w": torch.arange(1000)}, hashing)
+        out.flush()
+        out.seek(0)
+        assert hashing.sequential and hashing.digest() == digest(out)
+    with open(tmp_path / "g", "w+b") as out:
+        hashing = HashingWriter(out)
+        hashing.write(b"abcdef")
+        hashing.seek(2)
+        hashing.write(b"XY")
+        assert not hashing.sequential
+    assert digest(io.BytesIO(b"")) == {"bytes": 0, "sha256": hashlib.sha256(b"").hexdigest()}

@@ -88,9 +88,15 @@ def test_the_watchdog_thread_reports_progress_until_stopped(monkeypatch):
     wait_until(lambda: len(sent) >= 3, what="three progress messages")
     text = dog.stacks().text  # the watchdog's own thread is counted, not printed: it is not the user's
     assert "'torchdist-watchdog'" not in text and "more thread(s) of the provider's own" in text
+    while_waiting = list(sent)
     dog.stop()
     assert all(m.pid == os.getpid() for m in sent)
-    assert sent[-1].where.endswith("in wait_until")  # the main thread waits in the conftest helper
+    assert while_waiting[-1].where.endswith("in wait_until")  # the main thread waits in the conftest helper
+    # Stopping sends the final counts at once, from where the main thread stops it.
+    assert len(sent) == len(while_waiting) + 1 or sent[-2].where.endswith("in wait_until")
+    assert sent[-1].where.endswith("in test_the_watchdog_thread_reports_progress_until_stopped")
+    dog.stop()
+    assert sent[-1].where.endswith("until_stopped") and len(sent) <= len(while_waiting) + 2  # once
 
 
 def test_the_watchdog_thread_ends_when_the_channel_breaks():

@@ -20,6 +20,7 @@ from airflow_provider_torchdist.spark.wire.watchdog_messages import (
     [
         Progress(3, 17, 0.25, "/dags/train.py:12 in train", "all_reduce", 4242),
         Progress(0, 0, None, "?:0 in ?", None, 1),
+        Progress(9, 4, 0.5, "/dags/train.py:12 in train", None, 7, 30, samples=40, busy=13),
         StackRequest(),
         Stacks("main thread (1), most recent call last:\n  ...", "/dags/train.py:12 in train", "broadcast"),
         Stacks("x" * MAX_STACKS_CHARS, "w", None, "/tmp/torchdist-nccl-trace-1-x/nccl_trace_rank_0"),
@@ -33,10 +34,8 @@ def test_every_watchdog_kind_round_trips_as_one_line(msg):
 
 
 def test_a_progress_message_is_a_few_bytes():
-    assert (
-        len(encode(Progress(123456, 654321, 1.234, "/home/me/dags/train.py:120 in train_step", None, 99999)))
-        < 150
-    )
+    where = "/home/me/dags/train.py:120 in train_step"
+    assert len(encode(Progress(123456, 654321, 1.234, where, None, 99999, 9999, 99999, 9999))) < 200
 
 
 @pytest.mark.parametrize(
@@ -57,6 +56,12 @@ def test_a_progress_message_is_a_few_bytes():
             b'{"k": "progress", "e": 0, "m": 0, "pid": 1, "w": "' + b"x" * (WHERE_CHARS + 1) + b'"}',
             f"where of {WHERE_CHARS + 1} characters",
         ),
+        (
+            b'{"k": "progress", "e": 0, "m": 0, "w": "x", "pid": 1, "s": 3, "b": 4}',
+            "bad sample counts (4 of 3)",
+        ),
+        (b'{"k": "progress", "e": 0, "m": 0, "w": "x", "pid": 1, "s": 3, "b": -1}', "bad sample counts"),
+        (b'{"k": "progress", "e": 0, "m": 0, "w": "x", "pid": 1, "b": 2}', "bad sample counts (2 of None)"),
         (b'{"k": "stacks", "w": "x"}', "field 't' must be str, got NoneType"),
         (
             b'{"k": "stacks", "w": "x", "t": "' + b"x" * (MAX_STACKS_CHARS + 1) + b'"}',
