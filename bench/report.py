@@ -443,13 +443,6 @@ def _throughput(sec: dict[str, Any]) -> list[str]:
         ],
         rows,
     )
-    if watchdog := sec.get("watchdog"):
-        lines += [
-            "",
-            "Every hook variant runs with the hang watchdog on (the default `hang_timeout`; "
-            "docs/hangs.md) but `hook_local_no_watchdog`, the local run with it off: on / off = "
-            f"**{watchdog['on_over_off']:.3f}**, medians of the same interleaved rounds.",
-        ]
     return lines + [""]
 
 
@@ -919,6 +912,39 @@ def _tracking(sec: dict[str, Any]) -> list[str]:
     )
 
 
+def _watchdog(sec: dict[str, Any]) -> list[str]:
+    """Steady-state steps/s with the hang watchdog on and off (``bench/watchdog.py``)."""
+    lines = [
+        "### The hang watchdog on and off",
+        "",
+        f"`python bench/watchdog.py --rounds {sec['rounds']}`: the throughput benchmark's MLP through the hook, local "
+        "mode, 2 ranks, with the hang watchdog on (the default `hang_timeout`: each rank samples its main thread twice "
+        "a second and reports every 2 s; docs/hangs.md) and off (`hang_timeout=None`), beside raw torchrun, "
+        "interleaved after an uncounted warm-up round. The ratios are the medians of each round's paired ratios.",
+        "",
+    ]
+    rows = [
+        [name, _s(sec["median_steps_per_s"].get(key), 1)]
+        for name, key in (
+            ("torchrun", "torchrun"),
+            ("hook, watchdog on", "on"),
+            ("hook, watchdog off", "off"),
+        )
+    ]
+    lines += _table(["variant", "median steps/s"], rows) + [""]
+    rows = [
+        [name, _s(r["median"], 3), f">= {r['goal']} {_verdict(r['met'])}"]
+        for name, r in sec["ratios"].items()
+    ]
+    loads = [s["on"]["load_before"][0] for s in sec["samples"] if s["on"].get("load_before")]
+    lines += _table(["ratio", "median", "goal"], rows)
+    return lines + [
+        "",
+        f"Load average before the rounds (median): {_s(statistics.median(loads)) if loads else '–'}.",
+        "",
+    ]
+
+
 def _checkpoints(sec: dict[str, Any]) -> list[str]:
     """Checkpoint save and restore throughput, the store against a hand-written baseline
     (``bench/checkpoints.py``)."""
@@ -968,8 +994,9 @@ def _checkpoints(sec: dict[str, Any]) -> list[str]:
     lines += _table([*header, "restore, torchdist / baseline", "ok", "load"], rows)
     lines += [
         "",
-        "Where the time goes, median seconds. Save: `torch.save` (serialize), the SHA-256 the store "
-        "records, the rename (local) or upload (S3) into place, and the rest (the store's fsync of its "
+        "Where the time goes, median seconds. Save: `torch.save` (serialize; the store hashes what it "
+        "writes as it writes it, so its SHA-256 is in this column, and the next is what is hashed after: "
+        "nothing, unless a writer seeks back), the rename (local) or upload (S3) into place, and the rest (the store's fsync of its "
         "temp file, the manifest, listing and retention). Restore: fetch (listing, the manifest, opening "
         "or downloading the object), the SHA-256 check, `torch.load`. The baseline neither fsyncs nor "
         "hashes. On S3 both variants upload with the same s3fs `put_file` to moto, a Python server on the "
@@ -1000,6 +1027,7 @@ def render(results: dict[str, Any]) -> str:
         ("data_path_cluster", _data_path),
         ("steady_state", _steady_state),
         ("tracking", _tracking),
+        ("watchdog", _watchdog),
         ("checkpoints", _checkpoints),
         ("chaos", _chaos),
     ):

@@ -12,7 +12,11 @@ import lightning.pytorch as pl
 from airflow_provider_torchdist.callbacks.scalars import scalar_metrics
 from airflow_provider_torchdist.spark.node.checkpoint_folders import restore_checkpoint_folder
 from airflow_provider_torchdist.spark.node.checkpoint_manifest import STATE
-from airflow_provider_torchdist.spark.node.checkpoint_state import OPT_IN, CheckpointRefused, unsafe_globals
+from airflow_provider_torchdist.spark.node.checkpoint_state import (
+    OPT_IN,
+    CheckpointRefused,
+    weights_only_refusal,
+)
 from airflow_provider_torchdist.spark.node.checkpoints import commit_checkpoint
 
 
@@ -58,12 +62,11 @@ class LightningCheckpointCallback(pl.Callback):
             return None
         self._fetched = folder
         path = folder / STATE
-        with open(path, "rb") as source:
-            if unsafe := unsafe_globals(source):
-                raise CheckpointRefused(
-                    f"refused to resume from the checkpoint of step {found[0]}: it holds {unsafe}, "
-                    f"which a weights_only load would not unpickle. {OPT_IN}"
-                )
+        # A real weights_only load, not the static scan alone, which passes what it cannot read.
+        if refusal := weights_only_refusal(str(path)):
+            raise CheckpointRefused(
+                f"refused to resume from the checkpoint of step {found[0]}: {refusal}. {OPT_IN}"
+            )
         return str(path)
 
     def save(self, trainer: pl.Trainer) -> str | None:
@@ -80,6 +83,12 @@ class LightningCheckpointCallback(pl.Callback):
             trainer.save_checkpoint(path, weights_only=False)
             if not trainer.is_global_zero:
                 return None
+            if not path.is_file():  # a sharded strategy's checkpoint is a folder of every rank's shards
+                raise ValueError(
+                    f"the Trainer's checkpoint is not one file ({trainer.strategy.__class__.__name__} wrote "
+                    "a folder of shards): LightningCheckpointCallback keeps one-file checkpoints (DDP, "
+                    "one device, FSDP with state_dict_type='full'); sharded ones are not supported yet"
+                )
             logged = scalar_metrics(trainer.callback_metrics)
             metrics = {name: value for name, value in logged.items() if math.isfinite(value)}
             with open(path, "rb") as written:

@@ -35,7 +35,10 @@ def _json_number(value: Any) -> float | int | None:
     """A metric value the JSON answer can carry: NaN and infinities (report() keeps them) as null."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return value if math.isfinite(value) else None
+    try:
+        return value if math.isfinite(value) else None
+    except OverflowError:  # an int beyond any float (a rank's record puts no bound on them)
+        return None
 
 
 def _is_step(value: Any) -> bool:
@@ -141,7 +144,7 @@ def rank_step_times(history: list[Any]) -> list[dict[str, Any]]:
         found[record["rank"]] = {
             "rank": record["rank"],
             MEAN_STEP_TIME: mean,
-            "steps_per_s": round(1 / mean, 3) if mean else None,
+            "steps_per_s": _json_number(round(1 / mean, 3)) if mean else None,  # 1 / 5e-324 is inf
             COMPUTE_SHARE: _json_number(record.get(COMPUTE_SHARE)),
         }
     return [found[rank] for rank in sorted(found)]

@@ -365,3 +365,26 @@ def test_an_elastic_dag_over_connect_pushes_the_same_world_sizes_history_to_xcom
     assert run["state"] == "success", output[-5000:]
     assert xcom(home / "airflow.db", "torchdist_e2e_elastic", run["run_id"], "sizes") == [[2, "start"]]
     assert "elastic mode over Spark Connect: 1 to 2 ranks" in output
+
+
+def test_a_hung_rank_over_connect_is_named_and_its_job_interrupted(
+    connect_conn: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The hang watchdog on the Connect engine: rank 1 asleep in user code while rank 0 waits in
+    all_reduce (tests/integration/test_hangs.py's fault), found within hang_timeout + 30 s and named;
+    the job is interrupted and no rank is left on the executors."""
+    from airflow_provider_torchdist.errors import TrainingHung
+    from tests.integration.test_hangs import BOUND_S, HANG_TIMEOUT, SLEEP_LINE, train_with_fault
+
+    hook = TorchDistributorHook(conn_id=connect_conn, num_processes=2, hang_timeout=HANG_TIMEOUT)
+    with pytest.raises(TrainingHung) as info:
+        hook.run(train_with_fault, "sleep", str(tmp_path))
+    failed_at, since = time.time(), time.monotonic()
+    struck = min(float(p.read_text()) for p in tmp_path.glob("fault*"))
+    assert failed_at - struck < BOUND_S, f"{failed_at - struck:.0f} s from the fault to the failure"
+    assert "suspect: rank 1 on " in str(
+        info.value
+    ) and f"test_hangs.py:{SLEEP_LINE} in train_with_fault" in str(info.value)
+    assert "waits in a collective (torch.distributed all_reduce)" in "".join(capfd.readouterr())
+    pids = [int(pid) for p in tmp_path.glob("pids*") for pid in p.read_text().split()]
+    assert not (alive := wait_gone(pids, since)), f"left on the executors after the hang: {alive}"

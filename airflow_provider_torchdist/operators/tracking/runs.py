@@ -9,6 +9,7 @@ parent with the sweep's key, and deletes its own if that is not it.
 
 from __future__ import annotations
 
+import urllib.parse
 from typing import Any
 
 from airflow_provider_torchdist.operators.tracking.identity import KEY_TAG, PARENT_KEY_TAG, TaskIdentity
@@ -76,7 +77,12 @@ def task_run(client: Any, experiment: str, identity: TaskIdentity) -> tuple[str,
 
 
 def run_url(tracking_uri: str, experiment: str, run_id: str) -> str:
-    """The run's page in the MLflow UI (an http(s) tracking URI's), else empty."""
-    if not tracking_uri.startswith(("http://", "https://")):
+    """The run's page in the MLflow UI (an http(s) tracking URI's), else empty. Credentials in the
+    URI (``https://user:token@host``) are left out: the URL goes to XCom and the extra link, which
+    every reader of the DAG sees."""
+    parts = urllib.parse.urlsplit(tracking_uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         return ""
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+    host = parts.netloc.rpartition("@")[2]
+    base = urllib.parse.urlunsplit((parts.scheme, host, parts.path.rstrip("/"), "", ""))
+    return f"{base}/#/experiments/{experiment}/runs/{run_id}"

@@ -35,6 +35,7 @@ from airflow_provider_torchdist.spark.driver.output_receipt import receive_outpu
 from airflow_provider_torchdist.spark.driver.owner import OwnerHub
 from airflow_provider_torchdist.spark.driver.rank_logs import RankLogFilter
 from airflow_provider_torchdist.spark.driver.stop_fanout import StopFanout
+from airflow_provider_torchdist.spark.driver.stragglers import SUMMARY_FIELD
 from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
 from airflow_provider_torchdist.spark.node.metrics import format_metrics
 from airflow_provider_torchdist.spark.wire import protocol as wire
@@ -317,6 +318,8 @@ class RunChannel:
                 if not held:
                     self._log(line)
             case wire.Metric():
+                if SUMMARY_FIELD in msg.record:  # the driver's own records (each rank's step time)
+                    raise ValueError(f"a rank may not send a {SUMMARY_FIELD!r} record")
                 self.publish_metric(msg.record)
             case wire.RankError() if rank is not None:
                 self._show_failed([rank])

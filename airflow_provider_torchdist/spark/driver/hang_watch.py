@@ -117,14 +117,18 @@ class HangWatch:
     def __exit__(self, *exc: object) -> None:
         self._done.set()
         if self.hang_timeout and self._publish is not None:
-            for record in step_time_records(self.ranks.every_rank()):
-                self._publish(record)
+            try:
+                for record in step_time_records(self.ranks.every_rank()):
+                    self._publish(record)
+            except Exception as exc:  # the step times must never fail (or hide the end of) a run
+                self._say(f"each rank's step time was not recorded: {exc!r}")
 
     def _run(self) -> None:
         while not self._done.wait(self._every):
             try:
-                if self.verdict is None and not self.check():
-                    self.stragglers.check(self.ranks.every_rank())
+                if self.verdict is None:
+                    if not self.check():
+                        self.stragglers.check(self.ranks.every_rank())
                 elif self._ended and self.ranks.ranks():
                     # torchrun may restart the worker group (max_restarts): the hung run stays ended.
                     self._hard_stop(self.ranks.pids())

@@ -38,6 +38,9 @@ MIN_SAMPLES = 10
 #: The metric names of the per-rank records added at the end of a run.
 MEAN_STEP_TIME = "mean_step_time_s"
 COMPUTE_SHARE = "compute_share"
+#: What marks those records as the driver's (``{"summary": "step_time", ...}``): a string, which no
+#: ``report()`` sends (its values are numbers), and the run channel refuses from a rank.
+SUMMARY_FIELD, SUMMARY_KIND = "summary", "step_time"
 
 
 class StragglerCheck:
@@ -106,13 +109,9 @@ def _slower_than_the_others(rank: int, share: dict[int, float], step: dict[int, 
 
 
 def is_rank_summary(record: Any) -> bool:
-    """Whether a metrics record is one of :func:`step_time_records`' (no step; a rank's step time),
-    not a ``report()``."""
-    return (
-        isinstance(record, dict)
-        and record.get("step") is None
-        and (MEAN_STEP_TIME in record or COMPUTE_SHARE in record)
-    )
+    """Whether a metrics record is one of :func:`step_time_records`' (the driver's: a rank's step
+    time), not a ``report()``."""
+    return isinstance(record, dict) and record.get(SUMMARY_FIELD) == SUMMARY_KIND
 
 
 def split_summaries(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -123,8 +122,8 @@ def split_summaries(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]]
 
 
 def step_time_records(ranks: list[RankProgress]) -> list[dict[str, Any]]:
-    """One metrics record per rank that made progress: ``{"rank", "time", "mean_step_time_s",
-    "compute_share"}`` (no ``step``: a summary of the run, which the Training view lists apart)."""
+    """One metrics record per rank that made progress: ``{"rank", "time", "summary": "step_time",
+    "mean_step_time_s", "compute_share"}``, which the task keeps apart from the reports."""
     records = []
     for state in ranks:
         values: dict[str, Any] = {}
@@ -133,5 +132,5 @@ def step_time_records(ranks: list[RankProgress]) -> list[dict[str, Any]]:
         if state.samples:
             values[COMPUTE_SHARE] = round(state.busy / state.samples, 4)
         if values:
-            records.append({"rank": state.rank, "time": time.time(), **values})
+            records.append({"rank": state.rank, "time": time.time(), SUMMARY_FIELD: SUMMARY_KIND, **values})
     return records

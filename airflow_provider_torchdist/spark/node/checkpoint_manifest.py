@@ -129,7 +129,10 @@ class Manifest:
     def from_json(cls, text: str | bytes) -> Manifest:
         """The manifest ``text`` holds; ``ValueError`` for anything not of its shape (whoever can
         write the store can plant any JSON, and one bad object must not break every reader)."""
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except RecursionError:  # nested deeper than the stack (a planted file, well under its size cap)
+            raise ValueError(f"not a {FORMAT} manifest: nested too deep") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} manifest")
         metrics, files = data.get("metrics") or {}, data.get("files") or {}
@@ -163,7 +166,10 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    try:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an int beyond any float: JSON puts no bound on its integers
+        return False
 
 
 def clean_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:

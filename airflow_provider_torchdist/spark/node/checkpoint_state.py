@@ -48,6 +48,27 @@ def unsafe_globals(source: BinaryIO) -> list[str]:
         return []
 
 
+def weights_only_refusal(path: str) -> str | None:
+    """Why ``torch.load(path, weights_only=True)`` does not take the file, or None when it does.
+
+    The file is loaded (tensors memory-mapped, not read): unlike :func:`unsafe_globals`, which
+    says nothing of a file it cannot read statically (a legacy pickle, pickle protocol 4's
+    ``STACK_GLOBAL``, a torch without the function), this fails closed, so a file a full unpickle
+    would run is refused whatever form it takes.
+    """
+    import torch
+
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - whatever the load refuses, the resume refuses
+        with open(path, "rb") as source:
+            unsafe = unsafe_globals(source)
+        if unsafe:
+            return f"it holds {unsafe}, which a weights_only load would not unpickle"
+        return f"a weights_only load does not take it ({type(exc).__name__}: {str(exc)[:200]})"
+    return None
+
+
 def dump_state(state: Any, step: int, out: BinaryIO, *, weights_only: bool = True) -> None:
     """``torch.save(state)`` into ``out`` (open for writing and reading); with ``weights_only``,
     refused (``CheckpointRefused``) when a ``weights_only`` load would refuse it."""

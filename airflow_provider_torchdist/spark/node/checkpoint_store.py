@@ -174,14 +174,29 @@ class CheckpointStore(StoreObjects):
     def delete(self, manifest: Manifest) -> None:
         """Uncommit (the manifest goes first), then remove the step's files."""
         name = step_dir(manifest.step, manifest.run)
-        self._remove(self._join(name, MANIFEST))
-        for file_name in {STATE, *manifest.files}:
-            self._remove(self._join(name, file_name))  # names checked when the manifest was read
+        names = [MANIFEST, *sorted({STATE, *manifest.files})]  # names checked when the manifest was read
         if self.fs is None:
-            try:
-                os.rmdir(self._join(name))
-            except OSError:
-                pass  # something else in it: left as it is
+            self._delete_local(name, names)
+            return
+        for file_name in names:
+            self._remove(self._join(name, file_name))
+
+    def _delete_local(self, name: str, file_names: list[str]) -> None:
+        """Unlink ``file_names`` inside the step's directory through a descriptor of it, opened
+        ``O_NOFOLLOW``: a step swapped for a symlink since its manifest was read (anyone can write
+        the store) is left alone, not followed into the directory it names."""
+        try:
+            fd = os.open(self._join(name), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            return  # gone, or no directory of its own (ELOOP, ENOTDIR): nothing of ours to delete
+        try:
+            for file_name in file_names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(file_name, dir_fd=fd)
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):  # something else in it: left as it is
+            os.rmdir(self._join(name))
 
     # -- reading ---------------------------------------------------------------------------
 

@@ -20,6 +20,9 @@ WHERE_CHARS = 400
 WAITS_IN_CHARS = 100
 #: The most of a rank's formatted stacks that travels (every thread's; the end is cut).
 MAX_STACKS_CHARS = 64 * 1024
+#: The largest count a rank sends (events, moves, collectives, samples): far beyond any run's, and
+#: it keeps the driver's arithmetic on them (step times, compute shares) within a float.
+MAX_COUNT = 2**53
 
 _STR, _INT, _NUMBER = (str,), (int,), (int, float)
 
@@ -75,6 +78,8 @@ class Progress(Message):
             raise ProtocolError(
                 f"'progress' message: bad counts or pid ({self.events}, {self.moves}, {self.pid})"
             )
+        if max(self.events, self.moves, self.collectives or 0, self.samples or 0) > MAX_COUNT:
+            raise ProtocolError(f"'progress' message: a count beyond {MAX_COUNT}")
         if not 0 <= (self.busy or 0) <= (self.samples or 0):
             raise ProtocolError(f"'progress' message: bad sample counts ({self.busy} of {self.samples})")
         if self.event_gap_s is not None and not 0 <= self.event_gap_s < 1e9:  # NaN fails this too

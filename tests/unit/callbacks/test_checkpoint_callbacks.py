@@ -124,6 +124,33 @@ def test_lightning_refuses_a_planted_pickle_before_the_trainer_loads_it(
     assert not marker.exists()
 
 
+@pytest.mark.parametrize(
+    "save",
+    [
+        # Pickle protocol 4 (STACK_GLOBAL, FRAME): torch's static scan raises on it, and the scan's
+        # caller took that as "nothing unsafe".
+        lambda state, out: torch.save(state, out, pickle_protocol=4),
+        # torch.save's legacy (non-zip) format: the static scan reads only zip checkpoints.
+        lambda state, out: torch.save(state, out, _use_new_zipfile_serialization=False),
+    ],
+    ids=["protocol-4", "legacy-format"],
+)
+def test_lightning_refuses_a_planted_pickle_the_static_scan_cannot_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save: Any
+) -> None:
+    """``resume_path`` is what stands between a planted checkpoint and ``fit(weights_only=False)``
+    (or Lightning's default on a torch before 2.6): it must fail closed."""
+    from airflow_provider_torchdist.callbacks import LightningCheckpointCallback
+
+    monkeypatch.setenv("TORCHDIST_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    as_task(monkeypatch, "r1")
+    marker = tmp_path / "ran"
+    commit_checkpoint(lambda out: save({"state_dict": Planted(marker)}, out), 9)
+    with pytest.raises(CheckpointRefused, match=r"refused to resume from the checkpoint of step 9"):
+        LightningCheckpointCallback().resume_path()
+    assert not marker.exists()
+
+
 # -- Hugging Face ------------------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ auth manager (no metadata DB: the task facts come from a fake reader)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -539,10 +540,10 @@ def test_checkpoint_marks_leave_out_what_is_not_a_checkpoint_entry():
 def test_each_ranks_step_time_is_listed_apart_from_the_curves():
     history = [
         *reports(3),
-        {"rank": 1, "time": 9.0, "mean_step_time_s": 0.5, "compute_share": 0.9},
-        {"rank": 0, "time": 9.0, "mean_step_time_s": 0.5, "compute_share": 0.3},
-        {"rank": "x", "time": 9.0, "mean_step_time_s": 0.5},
-        {"rank": 2, "time": 9.0, "compute_share": 0.4},
+        {"rank": 1, "time": 9.0, "summary": "step_time", "mean_step_time_s": 0.5, "compute_share": 0.9},
+        {"rank": 0, "time": 9.0, "summary": "step_time", "mean_step_time_s": 0.5, "compute_share": 0.3},
+        {"rank": "x", "time": 9.0, "summary": "step_time", "mean_step_time_s": 0.5},
+        {"rank": 2, "time": 9.0, "summary": "step_time", "compute_share": 0.4},
     ]
     figures = training_figures("success", history, 2, "xcom")
     assert figures["metrics"] == training_figures("success", reports(3), 2, "xcom")["metrics"]  # not charted
@@ -555,3 +556,26 @@ def test_each_ranks_step_time_is_listed_apart_from_the_curves():
     # After the run they come from XCom rank_step_times, the history holding reports only.
     apart = training_figures("success", reports(3), 2, "xcom", history[3:5])
     assert [r["rank"] for r in apart["ranks"]] == [0, 1]
+
+
+def test_numbers_beyond_a_float_in_a_ranks_records_or_the_checkpoints_do_not_break_the_answer():
+    """A rank sends its metric records itself (any JSON number), and the view reads them from XCom:
+    an int beyond any float made ``math.isfinite`` raise, and a step time of 5e-324 made a rate of
+    inf, which the JSON answer refuses; either turned the task's page into a 500."""
+    huge = 10**400
+    history = [
+        {"rank": 0, "step": 1, "time": 1.0, "loss": huge},
+        {"rank": 0, "time": 9.0, "summary": "step_time", "mean_step_time_s": huge, "compute_share": huge},
+        {"rank": 1, "time": 9.0, "summary": "step_time", "mean_step_time_s": 5e-324},
+    ]
+    figures = training_figures("success", history, 2, "xcom")
+    json.dumps(figures, allow_nan=False)  # what the JSON answer does
+    assert figures["ranks"] == [
+        {"rank": 0, "mean_step_time_s": None, "steps_per_s": None, "compute_share": None},
+        {"rank": 1, "mean_step_time_s": 5e-324, "steps_per_s": None, "compute_share": None},
+    ]
+    from airflow_provider_torchdist.ui.figures import checkpoint_marks
+
+    assert checkpoint_marks([{"step": 3, "metrics": {"loss": huge}}]) == [
+        {"step": 3, "best": True, "metrics": {"loss": None}}
+    ]

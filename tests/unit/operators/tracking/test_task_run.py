@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from airflow_provider_torchdist.operators.tracking.task_run import TaskTracking
 
 
@@ -50,3 +52,24 @@ def test_reports_made_in_the_same_millisecond_are_each_logged() -> None:
         tracking.follow_metrics(history)
     tracking.finish(True, {})
     assert sorted(m.step for m in client.metrics if m.key == "loss") == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("uri", "url"),
+    [
+        ("http://127.0.0.1:5000", "http://127.0.0.1:5000/#/experiments/3/runs/abc"),
+        ("https://mlflow.example/ml/", "https://mlflow.example/ml/#/experiments/3/runs/abc"),
+        (
+            "https://user:s3cret@mlflow.example:8443/ml",
+            "https://mlflow.example:8443/ml/#/experiments/3/runs/abc",
+        ),
+        ("https://token@mlflow.example", "https://mlflow.example/#/experiments/3/runs/abc"),
+        ("databricks", ""),
+        ("file:///tmp/mlruns", ""),
+        ("http://", ""),
+    ],
+)
+def test_the_run_url_never_carries_the_tracking_uris_credentials(uri: str, url: str) -> None:
+    from airflow_provider_torchdist.operators.tracking.runs import run_url
+
+    assert run_url(uri, "3", "abc") == url

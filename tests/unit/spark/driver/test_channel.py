@@ -536,3 +536,16 @@ def test_an_agent_may_not_answer_a_stop(ch):
     )
     assert ch.channel.stops.answers == {}
     agent.close()
+
+
+def test_a_rank_may_not_forge_the_drivers_step_time_records(ch):
+    """Each rank's step time is the driver's record (``"summary": "step_time"``): a rank's
+    message carrying one ends its connection and reaches no metrics."""
+    from airflow_provider_torchdist.spark.wire.protocol import Metric
+
+    rank1 = ch.client(1)
+    rank1.send(Metric({"rank": 0, "step": None, "time": 1.0, "summary": "step_time", "compute_share": 0.1}))
+    rank1.close()
+    wait_until(lambda: "closed without a goodbye" in ch.text, what="the notice")
+    assert "a rank may not send a 'summary' record" in ch.text
+    assert ch.channel.metrics == []

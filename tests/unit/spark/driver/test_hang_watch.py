@@ -121,3 +121,40 @@ def test_only_a_rank_may_report_progress_or_stacks(tmp_path):
         wait_until(lambda: "not allowed on this connection" in out.getvalue(), what="the refusal")
         agent.close()
         assert channel.hangs.pids() == []
+
+
+def test_the_watch_adds_each_ranks_step_time_to_the_run_channels_metrics_at_its_end(tmp_path):
+    """Over a real channel: two progress messages of a rank, then the watch's end adds its record."""
+    out = io.StringIO()
+    with make_channel(tmp_path, out) as channel:
+        client = Channel(channel, out, []).client(0)
+        client.send(Progress(2, 1, None, "train.py:9 in train", None, 1000, 1, 4, 3))
+        wait_until(lambda: channel.hangs.pids(), what="progress")
+        time.sleep(0.05)  # the step time is between the two messages' arrivals
+        client.send(Progress(6, 2, 0.01, "train.py:9 in train", None, 1000, 2, 8, 6))
+        wait_until(lambda: channel.hangs.every_rank()[0].events == 6, what="the second message")
+        with HangWatch(
+            channel.hangs,
+            channel.stops,
+            channel.say,
+            hang_timeout=30,
+            grace=1,
+            hard_stop=print,
+            publish=channel.publish_metric,
+        ):
+            pass
+        off = HangWatch(
+            channel.hangs,
+            channel.stops,
+            channel.say,
+            hang_timeout=None,
+            grace=1,
+            hard_stop=print,
+            publish=channel.publish_metric,
+        )
+        with off:  # the watchdog off: no record
+            pass
+        client.close()
+    (record,) = channel.metrics
+    assert record["rank"] == 0 and record["compute_share"] == 0.75 and 0.01 < record["mean_step_time_s"] < 1
+    assert "[metrics] rank 0: summary=step_time mean_step_time_s=" in out.getvalue()

@@ -108,6 +108,8 @@ def test_a_store_that_cannot_be_written_fails_its_probe(s3_server: S3Server) -> 
         {"files": {"../../victim": {"bytes": 1, "sha256": "0"}}},  # a path, not a file's name
         {"files": {"sub/state.pt": {"bytes": 1, "sha256": "0"}}},
         {"files": {".hidden": {"bytes": 1, "sha256": "0"}}},
+        {"metrics": {"val_loss": 10**400}},  # an int beyond any float: math.isfinite raised OverflowError
+        {"time": 10**400},
     ],
 )
 def test_a_manifest_of_wrong_types_is_not_trusted_and_breaks_no_reader(
@@ -120,6 +122,15 @@ def test_a_manifest_of_wrong_types_is_not_trusted_and_breaks_no_reader(
     fields = {"format": "torchdist-checkpoint/1", "step": 7, "time": 1.0, "run": None, **forged}
     text = json.dumps(fields).replace('"Infinity"', "Infinity").replace('"NaN"', "NaN")
     plant(store, step_dir(7, None), MANIFEST, text.encode())
+    assert store.committed() == [honest]
+
+
+def test_a_deeply_nested_manifest_is_not_trusted_and_breaks_no_reader(store: CheckpointStore) -> None:
+    """A planted manifest well under the size cap but nested 100,000 deep made ``json.loads`` raise
+    ``RecursionError`` in every rank and task that listed the store."""
+    honest = store.commit(Manifest(step=1, time=1.0, run=RUN), b"state")
+    nested = '{"format": "torchdist-checkpoint/1", "step": 7, "time": 1.0, "run": {"x": '
+    plant(store, step_dir(7, None), MANIFEST, (nested + "[" * 100_000 + "]" * 100_000 + "}}").encode())
     assert store.committed() == [honest]
 
 
@@ -142,6 +153,28 @@ def test_a_step_directory_planted_as_a_symlink_is_not_trusted(tmp_path: Path) ->
     Path(store._join(step_dir(2, RUN))).symlink_to(elsewhere._join(step_dir(2, RUN)))
     assert store.committed(RUN) == [honest]
     assert elsewhere.committed(RUN) == [other]
+
+
+def test_retention_never_deletes_through_a_step_swapped_for_a_symlink_after_it_was_listed(
+    tmp_path: Path,
+) -> None:
+    """Anyone who can write the store plants a checkpoint of this run whose manifest names files
+    of a victim directory, lets retention list it, then swaps the step for a symlink to the
+    victim: the delete that follows must not reach through it (before, it unlinked every file
+    the manifest named there)."""
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for name in ("authorized_keys", STATE, MANIFEST):
+        (victim / name).write_text("keep me")
+    planted = store.commit(Manifest(step=1, time=1.0, run=RUN), {"authorized_keys": b"x"})
+    [listed] = store.committed(RUN)  # retention's listing
+    step = Path(store._join(step_dir(1, RUN)))
+    step.rename(tmp_path / "moved-away")
+    step.symlink_to(victim)
+    store.delete(listed)
+    assert sorted(p.name for p in victim.iterdir()) == sorted(["authorized_keys", STATE, MANIFEST])
+    assert planted == listed
 
 
 def test_a_checkpoint_of_several_files_is_committed_fetched_and_deleted_whole(

@@ -62,6 +62,13 @@ def test_a_progress_message_is_a_few_bytes():
         ),
         (b'{"k": "progress", "e": 0, "m": 0, "w": "x", "pid": 1, "s": 3, "b": -1}', "bad sample counts"),
         (b'{"k": "progress", "e": 0, "m": 0, "w": "x", "pid": 1, "b": 2}', "bad sample counts (2 of None)"),
+        # Ints beyond any float made the driver's straggler arithmetic raise OverflowError, which
+        # stopped its hang watch for the rest of the run.
+        (b'{"k": "progress", "e": 1' + b"0" * 400 + b', "m": 0, "w": "x", "pid": 1}', "a count beyond"),
+        (
+            b'{"k": "progress", "e": 0, "m": 0, "w": "x", "pid": 1, "s": 1' + b"0" * 400 + b', "b": 1}',
+            "a count beyond",
+        ),
         (b'{"k": "stacks", "w": "x"}', "field 't' must be str, got NoneType"),
         (
             b'{"k": "stacks", "w": "x", "t": "' + b"x" * (MAX_STACKS_CHARS + 1) + b'"}',
