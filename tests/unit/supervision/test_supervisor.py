@@ -265,7 +265,8 @@ def test_a_run_without_any_owner_is_not_kept(harness):
 
 
 def test_an_ended_run_keeps_its_output_for_reattach_timeout_after_losing_its_task(harness):
-    h = harness(durable=False, reattach=1.0)
+    # A window wide enough for a loaded machine's retry to connect and fetch within it (it was 1 s).
+    h = harness(durable=False, reattach=4.0)
     owner = h.owner()
     h.succeed()
     assert isinstance(list(owner.events())[-1], DoneEvent)
@@ -275,7 +276,7 @@ def test_an_ended_run_keeps_its_output_for_reattach_timeout_after_losing_its_tas
         assert retry.status.state == "succeeded"
         assert read_output(retry.fetch_output(h.staging.parent)) == 42
     assert stays_up(h, 0.5)
-    h.wait_torn_down()
+    h.wait_torn_down(timeout=10.0)
 
 
 # -- the verdict once the driver's outcome is out ----------------------------------------------------

@@ -62,6 +62,10 @@ def test_a_hung_run_gets_stacks_suspects_a_stop_and_its_end_without_waiting_for_
         assert watch.check(now=time.monotonic() + 31) is True
         assert time.monotonic() - started < 20  # one stacks wait, not the 60 s grace period
         assert sorted(ended[0]) == [1000, 1001, 1002]
+        # The frozen rank's requests were sent, not waited for: its listener may hear them a moment later.
+        wait_until(
+            lambda: all(len(got) >= 2 for got in heard.values()), what="every rank hearing both requests"
+        )
         for got in heard.values():
             assert got[:2] == [StackRequest(), StopRequest(HUNG, 60.0)]
         for client in clients:
