@@ -22,6 +22,7 @@ from typing import Any
 from airflow.providers.common.compat.sdk import Asset
 
 from airflow_provider_torchdist.outputs.results import is_envelope
+from airflow_provider_torchdist.spark.driver.stragglers import is_rank_summary
 from airflow_provider_torchdist.spark.node.metrics import RECORD_FIELDS
 from airflow_provider_torchdist.supervision.lifeline import RunStatus
 
@@ -30,7 +31,9 @@ MAX_METRICS = 50
 
 
 def final_metrics(history: list[dict[str, Any]]) -> tuple[dict[str, Any], Any]:
-    """The metric values of rank 0's last record (any rank's when rank 0 reported none), and its step."""
+    """The metric values of rank 0's last record (any rank's when rank 0 reported none), and its step;
+    a report's, never the ranks' step times the run adds at its end."""
+    history = [r for r in history if not is_rank_summary(r)]
     last = next((r for r in reversed(history) if r.get("rank") == 0), history[-1] if history else None)
     if last is None:
         return {}, None

@@ -684,7 +684,12 @@ def train_checkpointing(marker_dir: str, steps: int, every: int) -> dict:
         total += 1.0
         if (step + 1) % every == 0:
             save_checkpoint({"total": torch.tensor(total)}, step + 1)
-        progress.write_text(json.dumps({"pid": os.getpid(), "start": start, "step": step + 1, "host": host}))
+        # Written whole, then renamed: the test reads it while the rank trains (a plain write_text
+        # was once read empty).
+        progress.with_suffix(".tmp").write_text(
+            json.dumps({"pid": os.getpid(), "start": start, "step": step + 1, "host": host})
+        )
+        os.replace(progress.with_suffix(".tmp"), progress)
         time.sleep(0.05)
     return {"start": start, "total": total}
 

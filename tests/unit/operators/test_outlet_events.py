@@ -38,6 +38,9 @@ def test_final_metrics_are_rank_zeros_last_values_without_the_record_fields():
     assert final_metrics(history) == ({"loss": 0.1, "acc": 0.9}, 9)
     assert final_metrics([{"rank": 2, "step": None, "loss": 0.3}]) == ({"loss": 0.3}, None)
     assert final_metrics([]) == ({}, None)
+    # The ranks' step times, which a supervised run's history ends with, are not the last report.
+    summary = {"rank": 0, "time": 2.0, "summary": "step_time", "mean_step_time_s": 0.2, "compute_share": 0.5}
+    assert final_metrics([*history, summary]) == ({"loss": 0.1, "acc": 0.9}, 9)
 
 
 def test_the_extra_is_small_plain_json():
