@@ -208,7 +208,7 @@ class RankWatchdog:
         self._send, self._sample_every, self._report_every = send, sample_every, report_every
         self._main = main if main is not None else threading.main_thread().ident
         self._done = threading.Event()
-        self._last: tuple[tuple[int, int], ...] | None = None
+        self._last: tuple[Frame, ...] | None = None
         self.moves = 0
         #: Samples taken, and those in which the main thread was not waiting in torch.distributed.
         self.samples, self.busy = 0, 0
@@ -229,12 +229,8 @@ class RankWatchdog:
 
     def sample(self) -> None:
         """Look once at the main thread: a move when its stack differs from the last sample's."""
-        frame = self._main_frame()
-        stack, signature = frames_of(frame), []
-        while frame is not None:
-            signature.append((id(frame.f_code), frame.f_lineno))
-            frame = frame.f_back
-        now = tuple(signature)
+        stack = frames_of(self._main_frame())  # one walk: the signature and the position
+        now = tuple(stack)
         self.samples += 1
         if position(stack)[1] is None:  # computing (or anything but waiting for the other ranks)
             self.busy += 1
