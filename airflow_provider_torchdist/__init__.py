@@ -3,7 +3,8 @@
 Public names: :class:`TorchDistributorOperator`, :class:`TorchDistributorHook`, :func:`load_output`,
 :func:`output_origin`, :func:`torch_distributor_task` (``@task.torch_distributor``),
 and for training code :func:`report`, :func:`save_checkpoint`, :func:`load_latest_checkpoint`
-and :func:`checkpoint_dir` / :func:`checkpoint_uri`, :func:`load_checkpoint` (a downstream task opens a
+and :func:`checkpoint_dir` / :func:`checkpoint_uri`, :func:`wait_for_checkpoints` (an asynchronous
+save is committed), :func:`load_checkpoint` (a downstream task opens a
 kept checkpoint), :func:`stop_requested` (the run is being stopped: checkpoint and
 return), :func:`set_output` (a script's rank 0 hands a value on), and for reading ``train_data`` in a rank :func:`rank_shard` (a
 memory-mapped ``pyarrow.Table``) and :func:`rank_batches` (dicts of tensors).
@@ -33,6 +34,7 @@ __all__ = [
     "set_output",
     "stop_requested",
     "torch_distributor_task",
+    "wait_for_checkpoints",
 ]
 
 _LAZY = {
@@ -46,6 +48,7 @@ _LAZY = {
     "load_checkpoint": "airflow_provider_torchdist.operators.checkpoint_registry",
     "save_checkpoint": "airflow_provider_torchdist.spark.node.checkpoints",
     "load_latest_checkpoint": "airflow_provider_torchdist.spark.node.checkpoints",
+    "wait_for_checkpoints": "airflow_provider_torchdist.spark.node.async_saves",
     "rank_shard": "airflow_provider_torchdist.spark.data.rank_data",
     "rank_batches": "airflow_provider_torchdist.spark.data.rank_data",
     "stop_requested": "airflow_provider_torchdist.spark.node.stop",
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
     from airflow_provider_torchdist.operators.torch_distributor import TorchDistributorOperator
     from airflow_provider_torchdist.outputs.results import load_output, output_origin
     from airflow_provider_torchdist.spark.data.rank_data import rank_batches, rank_shard
+    from airflow_provider_torchdist.spark.node.async_saves import wait_for_checkpoints
     from airflow_provider_torchdist.spark.node.checkpoints import (
         checkpoint_dir,
         checkpoint_uri,

@@ -8,7 +8,8 @@ Worker a host of its own), PostgreSQL and an Airflow deployment on it
 (``scripts/airflow-standalone``) serving ``tests/integration/dags/chaos_dags.py``, and a 64 MB
 tmpfs as the runs' staging disk. Each run gets one fault, in turn through every kind (SIGKILL of
 a rank, an agent, an executor JVM, a Worker, the supervisor, the task process, the triggerer; the
-Worker's link down for 5 to 20 s; the staging disk full for 8 s), at a random moment of its
+Worker's link down for 5 to 20 s; the staging disk full for 8 s; a rank SIGSTOPped, so that the
+run is found hung), at a random moment of its
 training, and is checked for the four invariants of ``tests/integration/chaos.py``. The table
 goes to ``latest.json`` (section ``chaos``) and ``docs/benchmarks.md``.
 """
@@ -70,6 +71,7 @@ def soak_bed(work: Path) -> Iterator[Bed]:
                 add_connection(deployment, CONN_ID, cluster)
                 deployment.wait_parsed("chaos_durable")
                 deployment.wait_parsed("chaos_deferrable")
+                deployment.wait_parsed("chaos_hang_watch")
                 yield Bed(deployment, cluster, CONN_ID, work / "runs", disk)
         finally:
             stop_postgres(postgres)

@@ -168,6 +168,7 @@ def load_checkpoint(
     task_id: str | None = None,
     map_location: Any = "cpu",
     weights_only: bool = True,
+    state: Any = None,
 ) -> Any:
     """The state of one of a training task's kept checkpoints, loaded where this (Airflow) task runs.
 
@@ -181,6 +182,10 @@ def load_checkpoint(
         def evaluate(ti):
             state = load_checkpoint(ti, "best", task_id="train")
             model.load_state_dict(state["model"])
+
+    A sharded checkpoint (FSDP2, ``DTensor``s) is read into ``state``, a state dict of the
+    unsharded model here (``{"model": model.state_dict()}``), in place: DCP gathers the shards
+    into it, whatever world size wrote them.
     """
     entries = ti_or_xcom
     if hasattr(ti_or_xcom, "xcom_pull"):
@@ -189,15 +194,21 @@ def load_checkpoint(
         entries = ti_or_xcom.xcom_pull(task_ids=task_id, key=CHECKPOINTS_XCOM_KEY)
     entry = _pick(list(entries or []), which)
     return open_checkpoint(
-        entry["uri"], entry.get("conn_id"), map_location=map_location, weights_only=weights_only
+        entry["uri"], entry.get("conn_id"), map_location=map_location, weights_only=weights_only, state=state
     )
 
 
 def open_checkpoint(
-    uri: str, conn_id: str | None = None, *, map_location: Any = "cpu", weights_only: bool = True
+    uri: str,
+    conn_id: str | None = None,
+    *,
+    map_location: Any = "cpu",
+    weights_only: bool = True,
+    state: Any = None,
 ) -> Any:
     """Load the checkpoint at ``uri`` (``<checkpoint_dir>/step-<step>-<run>``): committed, and its
-    files as its manifest says, or this raises."""
+    files as its manifest says, or this raises. A sharded one is read into ``state`` (see
+    :func:`load_checkpoint`)."""
     base, _, name = uri.rstrip("/").rpartition("/")
     if not STEP_DIR.match(name):
         raise InvalidTrainingConfig(f"{uri!r} is not a checkpoint's URI (<checkpoint_dir>/step-<step>-<run>)")
@@ -207,5 +218,14 @@ def open_checkpoint(
         raise InvalidTrainingConfig(
             f"no committed checkpoint at {uri!r}: it was deleted by retention, or never committed"
         )
-    with store.open_state(manifest) as state:
-        return load_state(state, uri, map_location=map_location, weights_only=weights_only)
+    if manifest.sharded:
+        if state is None:
+            raise InvalidTrainingConfig(
+                f"{uri} is a sharded checkpoint (FSDP2, DTensors): pass state= (a state dict of the "
+                "unsharded model, such as {'model': model.state_dict()}) to read it into"
+            )
+        from airflow_provider_torchdist.spark.node.sharded_checkpoints import load_sharded
+
+        return load_sharded(store, manifest, state, None, weights_only=weights_only)
+    with store.open_state(manifest) as opened:
+        return load_state(opened, uri, map_location=map_location, weights_only=weights_only)

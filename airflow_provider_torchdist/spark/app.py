@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.spark.data.data_shards import (
-    DATA_DIR_ENV,
     TrainDataError,
     distributed_shards,
     has_train_data,
     local_shards,
     remove_shards,
 )
+from airflow_provider_torchdist.spark.data.rank_data import data_environment
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
 from airflow_provider_torchdist.spark.driver.decommission import Decommissions
 from airflow_provider_torchdist.spark.driver.executor_loss import (
@@ -79,7 +79,7 @@ def run_local(spec: JobSpec, staging: Path) -> Outcome:
             except TrainDataError as exc:
                 channel.say(str(exc))
                 return Outcome(ok=False, error=str(exc), hosts=[LOCAL_HOST])
-            os.environ[DATA_DIR_ENV] = str(shards)
+            os.environ.update(data_environment(str(shards), spec.train_data_shuffle_seed))
         node = channel.registry.add_local(0, LOCAL_HOST)
         with watch_hangs(channel, spec, kill_own_children) as hangs:  # hang_timeout
             try:

@@ -52,6 +52,9 @@ NAMES_THE_FAULT = {
     "triggerer": (),
     "link": ("Spark lost the executor",),
     "disk": ("No space left on device",),
+    # Rank 1 SIGSTOPped (its watchdog thread with it): found hung within hang_timeout, named as
+    # silent, its run stopped and the frozen rank killed; the retry resumes from the checkpoint.
+    "frozen": ("training hung",),
 }
 FAULTS = tuple(NAMES_THE_FAULT)
 #: What the command line of a run's process on an executor holds.
@@ -212,6 +215,8 @@ def inject(fault: str, bed: Bed, dag_id: str, run_id: str, marker_dir: Path) -> 
         timer = threading.Timer(random.uniform(5, 20), subprocess.run, args=(up,))
         timer.start()
         return lambda: (timer.join(), subprocess.run(up, check=False))  # type: ignore[func-returns-value]
+    elif fault == "frozen":
+        os.kill(rank1, signal.SIGSTOP)
     elif fault == "disk":
         assert bed.staging_disk is not None, "the disk fault needs the soak's own staging disk"
         filler = bed.staging_disk / "filler"
@@ -228,7 +233,7 @@ def inject(fault: str, bed: Bed, dag_id: str, run_id: str, marker_dir: Path) -> 
 
 def one_run(bed: Bed, index: int, fault: str, rng: random.Random, timeout: float = 420) -> Result:
     """Trigger a run, hit it with ``fault`` at a random moment of its training, check the invariants."""
-    dag_id = "chaos_deferrable" if fault == "triggerer" else "chaos_durable"
+    dag_id = {"triggerer": "chaos_deferrable", "frozen": "chaos_hang_watch"}.get(fault, "chaos_durable")
     marker_dir = bed.work / f"run-{index:03d}-{fault}"
     marker_dir.mkdir(parents=True)
     conf = {

@@ -5,7 +5,8 @@ reach it over HTTP with s3fs, credentials from the Airflow connection ``ckpt_sto
 The first run keeps the newest and the 3 best checkpoints by val_loss, lists them best first in its
 ``checkpoints`` XCom, and its downstream task loads the best; the second run, with the same fixed
 directory, trains from the start and says so (before issue 42 it resumed the first run's last step
-and trained nothing).
+and trained nothing). A third DAG run's asynchronous save fails to upload (its bucket is deleted
+mid-run): the task fails, naming the checkpoint.
 """
 
 from __future__ import annotations
@@ -33,10 +34,15 @@ def test_two_dag_runs_on_a_fixed_s3_dir_keep_the_best_and_never_resume_each_othe
     shutil.copy(DAG_FILE, dags / DAG_FILE.name)
     home = tmp_path / "airflow"
     home.mkdir()
-    bucket = s3_server.bucket()
-    env = {"AIRFLOW_CONN_CKPT_STORE": s3_server.connection_uri_env(), "TORCHDIST_TEST_CKPT_BUCKET": bucket}
+    bucket, lost = s3_server.bucket(), s3_server.bucket()
+    env = {
+        "AIRFLOW_CONN_CKPT_STORE": s3_server.connection_uri_env(),
+        "TORCHDIST_TEST_CKPT_BUCKET": bucket,
+        "TORCHDIST_TEST_LOST_BUCKET": lost,
+    }
+    runs = ["--run", "first", DAG_ID, "{}", "--run", "second", DAG_ID, "{}"]
     states, output = run_in_fresh_airflow(
-        home, dags, ["--run", "first", DAG_ID, "{}", "--run", "second", DAG_ID, "{}"], env=env
+        home, dags, [*runs, "--run", "lost", "checkpoint_store_lost", "{}"], env=env
     )
     db = home / "airflow.db"
     assert states["first"]["state"] == "success" and states["second"]["state"] == "success", output[-8000:]
@@ -59,3 +65,11 @@ def test_two_dag_runs_on_a_fixed_s3_dir_keep_the_best_and_never_resume_each_othe
     assert xcom(db, DAG_ID, second, "evaluate") == {"best_w": 4.0}
     assert s3_server.filesystem().exists(kept[0]["uri"] + "/manifest.json")
     assert "test-secret-key" not in output  # the connection's secret never reaches a log
+
+    # An asynchronous save whose upload fails (the bucket went away mid-run) fails the run,
+    # naming the checkpoint, though the training function returned.
+    assert states["lost"]["state"] == "failed", output[-8000:]
+    assert (
+        f"the asynchronous save of checkpoint step 2 (s3://{lost}/lost/step-000000002-" in output
+        and "failed, so it was not committed" in output
+    ), output[-8000:]

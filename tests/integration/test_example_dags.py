@@ -160,6 +160,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         str(DAGS),
         "retrain_pipeline",
         "script_training",
+        "fsdp_training",
         "--run",
         "params_refused",
         "ui_triggered_training",
@@ -243,3 +244,20 @@ def test_script_dag_runs_the_script_on_every_rank(runs: Runs) -> None:
     for rank in (0, 1):
         assert f"script rank {rank}/2 epoch 7 loss" in runs.output
         assert f"script rank {rank}/2 done: weight" in runs.output
+
+
+def test_fsdp_dag_checkpoints_sharded_and_evaluates_the_best(runs: Runs) -> None:
+    assert runs.states["fsdp_training"]["state"] == "success", runs.output[-5000:]
+    assert runs.task_states("fsdp_training") == {"train": "success", "evaluate": "success"}
+    assert runs.xcom("fsdp_training", "train") == {
+        "world_size": 2,
+        "resumed_from": 0,
+        "loss": pytest.approx(runs.xcom("fsdp_training", "train", "metrics")[-1]["loss"]),
+    }
+    kept = runs.xcom("fsdp_training", "train", "checkpoints")
+    assert [c["step"] for c in kept] == [40]  # the newest is the best: keep_last 1, keep_best 1
+    manifest = json.loads(Path(kept[0]["uri"], "manifest.json").read_text())
+    assert manifest["sharded"] and {"__0_0.distcp", "__1_0.distcp", "dcp.metadata"} == set(manifest["files"])
+    evaluation = runs.xcom("fsdp_training", "evaluate")
+    assert evaluation["step"] == 40 and evaluation["train_loss"] == kept[0]["metrics"]["loss"]
+    assert evaluation["val_loss"] < 0.5, evaluation  # it learned to repeat tokens (2.8 untrained)

@@ -268,9 +268,10 @@ def _cluster_hook(
     )
 
 
-def train_elastic(marker_dir: str, steps: int) -> dict[str, int]:
+def train_elastic(marker_dir: str, steps: int, hang_at: int | None = None) -> dict[str, int]:
     """``steps`` allreduces, resuming from the latest checkpoint; each worker group's ranks note
-    their PID and world size in ``w<world size>-rank<rank>.json`` as they start."""
+    their PID and world size in ``w<world size>-rank<rank>.json`` as they start. ``hang_at``: rank 1
+    of the first group of 2 sleeps forever at that step, in this code, its PID in ``hung.json``."""
     import torch
     import torch.distributed as dist
 
@@ -284,6 +285,9 @@ def train_elastic(marker_dir: str, steps: int) -> dict[str, int]:
         json.dumps({"pid": os.getpid(), "start": start, "at": time.time()})
     )
     for step in range(start, steps):
+        if step == hang_at and (world, rank) == (2, 1) and not Path(marker_dir, "hung.json").exists():
+            Path(marker_dir, "hung.json").write_text(json.dumps({"pid": os.getpid(), "at": time.time()}))
+            time.sleep(3600)  # the hung rank sleeps here
         t = torch.ones(1)
         dist.all_reduce(t)
         total += float(t.item())
@@ -508,6 +512,59 @@ def _grow_back_when_the_lost_host_returns(
     ], sizes
 
 
+def test_a_hung_node_of_an_elastic_run_is_dropped_as_a_lost_node_and_the_run_finishes_without_it(
+    cluster: ClusterInfo,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    no_leftovers: None,
+) -> None:
+    """ "1:2" whose rank 1 sleeps forever in user code at step 10 while rank 0 waits in all_reduce:
+    the hang watch names it with its stack (hang_timeout=10), its node leaves the run as a lost node
+    (its rank killed by PID, its task ended), and rank 0 goes on alone from the step-10 checkpoint
+    to the end of the run (docs/hangs.md, "Elastic runs")."""
+    hook = _cluster_hook(
+        cluster,
+        monkeypatch,
+        num_processes="1:2",
+        join_window=JOIN_BOTH_S,
+        max_restarts=2,
+        hang_timeout=10,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
+    runner, result, errors = _run_in_thread(hook, str(tmp_path), 80, 10)
+    _wait_for_markers(tmp_path, ["hung.json"], runner, errors)
+    hung = json.loads((tmp_path / "hung.json").read_text())
+    tree = _run_tree(hung["pid"], {w.pid for w in cluster.workers})
+    host = next(w for w in cluster.workers if w.pid == tree["worker"]).host
+    runner.join(240)
+    if runner.is_alive():
+        hook.on_kill()
+        runner.join(30)
+        pytest.fail("the elastic run did not finish within 240 s of the hang")
+
+    assert not errors, errors
+    assert result[0] == {"rank": 0, "world_size": 1, "resumed_from": 10}  # from the checkpoint
+    sizes = hook.world_sizes
+    assert [(e["world_size"], e["reason"]) for e in sizes] == [(2, "start"), (1, f"the node on {host} hung")]
+    assert sizes[1]["time"] - hung["at"] < 10 + 30 + JOIN_BOTH_S  # found, dropped, met again
+    assert not is_alive(hung["pid"])  # killed, by PID (the no_leftovers fixture checks the rest)
+    log = "".join(capfd.readouterr())
+    print(
+        "\n".join(
+            line for line in log.splitlines() if "hang: " in line or "elastic" in line or "leaves" in line
+        )
+    )
+    assert f"stacks of [rank 1 @ {host}]:" in log
+    assert "time.sleep(3600)  # the hung rank sleeps here" in log
+    assert (
+        f"hang: suspect: rank 1 on {host} (not in a collective, or silent, while rank(s) [0] wait in one)"
+        in log
+    )
+    assert f"on {host} leave(s) the run as a lost node: its ranks are killed" in log
+    assert "the driver found this node hung: its ranks were killed and it leaves the run" in log
+
+
 # Spark's own decommission of one Worker (SIGPWR, with spark.decommission.enabled): the ranks get the
 # graceful stop first (stop_requested() turns True), so nothing since the last checkpoint is lost.
 
@@ -544,6 +601,87 @@ def train_until_decommissioned(marker_dir: str, steps: int) -> dict[str, int]:
         time.sleep(0.05)
     dist.destroy_process_group()
     return {"rank": rank, "world_size": world, "resumed_from": start}
+
+
+def fsdp_model_and_batch():
+    """A small MLP (every rank builds the same one) and the batch every rank trains on at every step:
+    the same data on each rank, so the loss curve is the same at any world size."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    generator = torch.Generator().manual_seed(1)
+    return model, torch.randn(64, 8, generator=generator), torch.randn(64, 4, generator=generator)
+
+
+def train_fsdp_until_decommissioned(marker_dir: str, steps: int) -> dict[str, int]:
+    """``train_until_decommissioned`` with an FSDP2 model (``fully_shard``, gloo): each rank holds
+    half of each parameter and of Adam's state, checkpoints are sharded (DCP), and a resume on
+    another world size is resharded. Rank 0 also logs each step's loss (``losses.log``)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from airflow_provider_torchdist import load_latest_checkpoint, save_checkpoint, stop_requested
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, x, y = fsdp_model_and_batch()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def state() -> dict:
+        return dict(zip(("model", "optim"), get_state_dict(model, optimizer), strict=True))
+
+    start = 0
+    if found := load_latest_checkpoint(state=state()):
+        start, loaded = found
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    Path(marker_dir, f"w{world}-rank{rank}.json").write_text(
+        json.dumps({"pid": os.getpid(), "start": start, "at": time.time()})
+    )
+    for step in range(start, steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if rank == 0:
+            with open(Path(marker_dir, "steps.log"), "a") as log:
+                log.write(f"{world} {step}\n")
+            with open(Path(marker_dir, "losses.log"), "a") as log:
+                log.write(f"{step} {loss.item()!r}\n")
+        if stop_requested(all_ranks=True):
+            save_checkpoint(state(), step + 1)
+            if rank == 0:
+                Path(marker_dir, f"stopped-w{world}.json").write_text(json.dumps({"next": step + 1}))
+            return {"rank": rank, "world_size": world, "resumed_from": start, "stopped_at": step + 1}
+        if step % 5 == 4:
+            save_checkpoint(state(), step + 1)
+        time.sleep(0.05)
+    dist.destroy_process_group()
+    return {"rank": rank, "world_size": world, "resumed_from": start}
+
+
+def fsdp_losses(steps: int) -> list[float]:
+    """The loss of each step of the same training, unsharded in this process: the curve a resharded
+    resume must continue."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, x, y = fsdp_model_and_batch()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    get_state_dict(model, optimizer)  # as the ranks do before their first step: it makes Adam's state
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
 
 
 def _decommission_host_of(rank_pid: int, cluster: ClusterInfo) -> WorkerInfo:
@@ -618,7 +756,9 @@ def test_a_decommissioned_workers_elastic_run_shrinks_after_the_checkpoint(
     cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_leftovers: None
 ) -> None:
     """ "1:2" with the host of rank 0 decommissioned: every rank checkpoints at the same step, that
-    node leaves, and the other goes on alone from that step (not from an older checkpoint)."""
+    node leaves, and the other goes on alone from that step (not from an older checkpoint). The
+    model is FSDP2-sharded over the 2 ranks: the sharded checkpoint is resharded onto the one left,
+    and the loss curve goes on as one unstopped, unsharded training's would."""
     hook = _cluster_hook(
         cluster,
         monkeypatch,
@@ -629,7 +769,7 @@ def test_a_decommissioned_workers_elastic_run_shrinks_after_the_checkpoint(
         checkpoint_dir=str(tmp_path / "ckpt"),
         stop_grace_period=8,
     )
-    runner, result, errors = _run_in_thread(hook, str(tmp_path), 300, train=train_until_decommissioned)
+    runner, result, errors = _run_in_thread(hook, str(tmp_path), 300, train=train_fsdp_until_decommissioned)
     _wait_for_markers(tmp_path, ["w2-rank0.json", "w2-rank1.json"], runner, errors)
     time.sleep(1.0)
     rank0 = json.loads((tmp_path / "w2-rank0.json").read_text())
@@ -652,6 +792,12 @@ def test_a_decommissioned_workers_elastic_run_shrinks_after_the_checkpoint(
     # Every step once: world size 2 up to the stop, then world size 1 from there on.
     trained = _steps_trained(tmp_path)
     assert trained == [(2, s) for s in range(stopped)] + [(1, s) for s in range(stopped, 300)]
+    # Resharded from 2 ranks to 1, the state is exactly where it was: the same curve, step by step.
+    lines = (tmp_path / "losses.log").read_text().split()
+    losses = dict(zip(map(int, lines[::2]), map(float, lines[1::2]), strict=True))
+    assert sorted(losses) == list(range(300))
+    assert [losses[s] for s in range(300)] == pytest.approx(fsdp_losses(300), rel=1e-4, abs=1e-6)
+    assert list((tmp_path / "ckpt").glob("step-*/dcp.metadata")), "no sharded checkpoint was kept"
 
 
 #: The multi-host checkpoint test: steps between checkpoints, and steps in all.

@@ -46,7 +46,9 @@ from airflow_provider_torchdist.spark.connect.job import (
 )
 from airflow_provider_torchdist.spark.connect.node_task import connect_elastic_task
 from airflow_provider_torchdist.spark.driver.channel import RunChannel
+from airflow_provider_torchdist.spark.driver.hang_watch import watch_hangs
 from airflow_provider_torchdist.spark.driver.spark_context import first_line
+from airflow_provider_torchdist.spark.elastic.hung_nodes import HungNodes
 from airflow_provider_torchdist.spark.wire.channel_auth import Node, NodeRegistry
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
@@ -65,7 +67,7 @@ def run_connect_elastic(
     """The elastic job over the Connect session ``spark``: the rendezvous store and the run channel
     (``open_channel(on_failure, ...)``, with the settings every Connect run shares) on ``host``, the
     address the executors reach. Returns the run's outcome."""
-    from airflow_provider_torchdist.spark.elastic.run import elastic_verdict
+    from airflow_provider_torchdist.spark.elastic.run import hang_or_loss
     from airflow_provider_torchdist.spark.elastic.task import RendezvousStore
 
     # The store needs torch (about a second to import): while the server checks the payload.
@@ -82,6 +84,8 @@ def run_connect_elastic(
         on_node_gone=watch.node_gone,
     )
     watch.attach(channel, store.key)
+    # A hang is a node loss: the suspects' nodes leave; the run stops only when none can.
+    watch.hung = HungNodes(spec, store, watch.monitor, channel.hangs, channel.say)
     with channel:
         open_connect_run(
             channel,
@@ -94,9 +98,10 @@ def run_connect_elastic(
         task = functools.partial(
             connect_elastic_task, spec, channel.address, store.address, str(staging), entry, shipped
         )
-        results, error = _run_job(spark, spec, channel, watch, task)
+        with watch_hangs(channel, spec, lambda _: watch.stop(), survive=watch.hung) as hangs:
+            results, error = _run_job(spark, spec, channel, watch, task)
         watch.stopping.set()
-        error = elastic_verdict(spec, watch.monitor, channel.failures, channel.say) or error
+        error = hang_or_loss(spec, watch.monitor, channel.failures, channel.say, hangs.error or error)
         emit("channel_close")
     emit("channel_closed")
     return Outcome(
@@ -129,6 +134,8 @@ class NodeWatch:
         self.verifier = ConnectVerifier(spec.num_nodes, on_conflict=say, retries=spec.max_restarts + 1)
         #: The run channel's registry of nodes, once the channel is open.
         self.registry: NodeRegistry | None = None
+        #: What makes hung nodes leave (their goodbyes are then no loss of its own).
+        self.hung: HungNodes | None = None
 
     def attach(self, channel: RunChannel, elastic_key: bytes) -> None:
         """Watch ``channel``'s nodes (before any task starts): each must prove its own claim secret,
@@ -148,6 +155,8 @@ class NodeWatch:
         # back) may close long after Spark's retry took its place.
         if self.stopping.is_set() or self.registry is None or self.registry.current(node.node) is not node:
             return
+        if self.hung is not None and node.node in self.hung.dropped:
+            return  # made to leave because it hung: noted as such once its ranks were gone
         self.verifier.release(node.node)
         self.monitor.lost({f"node {node.node}, registration {node.attempt}": node.shown or node.host})
 

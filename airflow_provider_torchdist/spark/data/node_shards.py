@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from airflow_provider_torchdist.spark.data.rank_data import DATA_DIR_ENV
+from airflow_provider_torchdist.spark.data.rank_data import data_environment, forget_data_environment
 from airflow_provider_torchdist.spark.data.shard_files import (
     ShardWriter,
     new_node_directory,
@@ -72,12 +72,12 @@ def node_shards(
                 exc.errno, f"cannot write this node's train_data shard into {directory}: {exc}"
             ) from exc
         writer.check_complete()
-        os.environ[DATA_DIR_ENV] = directory
+        os.environ.update(data_environment(directory, spec.train_data_shuffle_seed))
 
     try:
         yield prepare
     finally:
-        os.environ.pop(DATA_DIR_ENV, None)
+        forget_data_environment()
         remove_directory(directory)
 
 
@@ -89,9 +89,9 @@ def shared_data_task(
     from airflow_provider_torchdist.spark.node.barrier import barrier_task
 
     def prepare() -> None:
-        os.environ[DATA_DIR_ENV] = directory
+        os.environ.update(data_environment(directory, spec.train_data_shuffle_seed))
 
     try:
         yield from barrier_task(spec, channel_address, driver_output_dir, iter(()), prepare=prepare)
     finally:
-        os.environ.pop(DATA_DIR_ENV, None)  # a reused Python worker must not hand it to the next task
+        forget_data_environment()  # a reused Python worker must not hand it to the next task

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from airflow_provider_torchdist.spark.data.batch_order import SHUFFLE_SEED_ENV, checked_epoch, epoch_batches
+
 if TYPE_CHECKING:
     import numpy as np
     import pyarrow as pa
@@ -35,6 +37,21 @@ DATA_DIR_ENV = "TORCHDIST_DATA_DIR"
 #: When every Spark task ran on the ranks' machine: which rows of which pieces are each rank's
 #: (``{"ranks": {"<RANK>": [[piece file, first row, rows], ...]}}``), instead of a file per rank.
 MANIFEST = "shards.json"
+
+
+def data_environment(directory: str, shuffle_seed: int | None) -> dict[str, str]:
+    """What the ranks' environment gets for ``train_data``: their shards' directory and, when the
+    task sets ``train_data_shuffle_seed``, the seed ``rank_batches(epoch=)`` reshuffles from."""
+    env = {DATA_DIR_ENV: str(directory)}
+    if shuffle_seed is not None:
+        env[SHUFFLE_SEED_ENV] = str(shuffle_seed)
+    return env
+
+
+def forget_data_environment() -> None:
+    """Unset what :func:`data_environment` set (a reused Python worker must not hand it on)."""
+    for name in (DATA_DIR_ENV, SHUFFLE_SEED_ENV):
+        os.environ.pop(name, None)
 
 
 def shard_file(directory: str | os.PathLike[str], rank: int) -> Path:
@@ -204,9 +221,27 @@ def _to_numpy(array: pa.Array) -> np.ndarray:
 
 
 def rank_batches(
-    batch_size: int, columns: list[str] | None = None, drop_last: bool = False
+    batch_size: int, columns: list[str] | None = None, drop_last: bool = False, *, epoch: int | None = None
 ) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's shard in batches of ``batch_size`` rows: ``{column name: tensor}``.
+
+    With ``epoch=e`` (the loop's epoch number, from 0) the batches of epoch ``e`` come in an order
+    drawn from the task's ``train_data_shuffle_seed``, ``e`` and the rank (in the file's order, as
+    without ``epoch``, when the task sets no seed), and a checkpoint resumes them exactly::
+
+        start, state = load_latest_checkpoint() or (0, None)   # restores the position, no code
+        step = start
+        for epoch in range(epochs):
+            for batch in rank_batches(4096, epoch=epoch):  # skips what was trained before
+                train_step(batch)
+                step += 1
+                save_checkpoint(state_of(model), step)  # every rank, after the step
+
+    ``save_checkpoint``, called by every rank after the step that used the batch, saves how many
+    batches of which epoch were handed out; after ``load_latest_checkpoint()`` this loop yields
+    nothing for the epochs already trained and skips exactly the batches already trained of the
+    partial one (``docs/checkpoints.md``). With a seed, a batch is a gather of its rows: a copy,
+    not a view of the memory map.
 
     Integer, floating point and boolean columns become 1-D tensors of the same dtype; fixed-size
     lists of those (``pyarrow.list_(pyarrow.float32(), 8)``) become 2-D tensors ``(rows, 8)``, and
@@ -227,11 +262,19 @@ def rank_batches(
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if epoch is not None:
+        epoch = checked_epoch(epoch)
     table = rank_shard()
     names = _check_columns(table, columns)
     table = table.select(names)
     kinds = {name: _tensor_kind(table.schema.field(name)) for name in names}
-    return _batches(table, names, kinds, batch_size, drop_last)
+    if epoch is None:
+        return _batches(table, names, kinds, batch_size, drop_last)
+
+    def convert(part: pa.Table) -> dict[str, torch.Tensor]:
+        return {name: _column_tensor(part.column(name).chunks, kinds[name]) for name in names}
+
+    return epoch_batches(table, batch_size, drop_last, epoch, convert)
 
 
 def _batches(

@@ -258,7 +258,7 @@ class RunChannel:
         this = _Connection(peer, conn, rfile, host, wire.rank_prefix(peer.rank, host))
         if peer.rank is not None:
             self.stops.rank_connected(conn, peer.rank)
-            self.hangs.connected(conn, peer.rank, host, time.monotonic())
+            self.hangs.connected(conn, peer.rank, host, time.monotonic(), node=peer.node.node)
         clean = False
         try:
             for raw in rfile:

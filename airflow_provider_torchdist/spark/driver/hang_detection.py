@@ -48,6 +48,8 @@ class RankProgress:
     waits_in: str | None = None
     pid: int | None = None
     stacks: Stacks | None = None
+    #: The node (Spark task) it runs on; an elastic run drops a hung node (spark/elastic/hung_nodes.py).
+    node: int | None = None
     #: Samples of its main thread, and those not waiting in torch.distributed (its compute share).
     samples: int = 0
     busy: int = 0
@@ -152,9 +154,11 @@ class HangDetector:
         self._ended: dict[int, RankProgress] = {}
         self.asked = threading.Condition(self._lock)
 
-    def connected(self, key: Hashable, rank: int, host: str | None, now: float) -> None:
+    def connected(
+        self, key: Hashable, rank: int, host: str | None, now: float, node: int | None = None
+    ) -> None:
         with self._lock:
-            self._ranks[key] = RankProgress(rank, host, last_seen=now, last_progress=now)
+            self._ranks[key] = RankProgress(rank, host, last_seen=now, last_progress=now, node=node)
 
     def gone(self, key: Hashable) -> None:
         """A rank's connection ended: it returned (or died, which its agent reports); not hung."""
@@ -202,6 +206,13 @@ class HangDetector:
         with self._lock:
             return sorted({s.rank for s in self._ranks.values() if now - s.last_progress >= hang_timeout})
 
+    def start_over(self, now: float) -> None:
+        """After a hang the run survived (an elastic run dropped the hung node): every live rank's
+        clock starts again at ``now`` and its stacks are forgotten, so a later hang is found anew."""
+        with self._lock:
+            for state in self._ranks.values():
+                state.last_progress, state.stacks = max(state.last_progress, now), None
+
     def keys(self) -> list[Hashable]:
         with self._lock:
             return list(self._ranks)
@@ -229,3 +240,8 @@ class HangDetector:
     def ranks(self) -> set[int]:
         with self._lock:
             return {s.rank for s in self._ranks.values()}
+
+    def live_nodes(self) -> set[int | None]:
+        """The nodes of the connected ranks."""
+        with self._lock:
+            return {s.node for s in self._ranks.values()}

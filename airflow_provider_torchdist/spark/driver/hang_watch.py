@@ -14,6 +14,10 @@ When a rank has made no progress for ``hang_timeout`` seconds, it
 4. leaves the run's error in :attr:`HangWatch.error` (it starts with
    :data:`~.hang_detection.HUNG_ERROR_PREFIX`): the task fails with ``TrainingHung``.
 
+An elastic run passes ``survive``: between 2 and 3 it may turn the hang into a node loss (the
+suspects' nodes leave, :mod:`~airflow_provider_torchdist.spark.elastic.hung_nodes`); when it did,
+the run goes on, and the watch starts over on the ranks that are left.
+
 While the run is not hung it also looks for stragglers (:mod:`.stragglers`), and at the end adds
 each rank's mean step time and compute share to the run's metrics.
 """
@@ -95,10 +99,12 @@ class HangWatch:
         every: float = CHECK_EVERY_S,
         stacks_wait: float = STACKS_WAIT_S,
         publish: Callable[[dict], None] | None = None,
+        survive: Callable[[HangVerdict], bool] | None = None,
     ) -> None:
-        """``publish``: adds a record to the run's metrics (each rank's step time, at the end)."""
+        """``publish``: adds a record to the run's metrics (each rank's step time, at the end);
+        ``survive``: given the verdict, True when it dealt with the hang so that the run goes on."""
         self.ranks, self._stops, self._say, self._hard_stop = ranks, stops, say, hard_stop
-        self._publish = publish
+        self._publish, self._survive = publish, survive
         self.stragglers = StragglerCheck(say)
         self.hang_timeout, self._grace = hang_timeout, grace
         self._every, self._stacks_wait = every, stacks_wait
@@ -137,16 +143,16 @@ class HangWatch:
                 return
 
     def check(self, now: float | None = None) -> bool:
-        """Look once; True when the run was found hung (and then stopped)."""
+        """Look once; True when the run was found hung (and then stopped; an elastic run that went on
+        without the hung nodes was not)."""
         if self.hang_timeout is None or self.verdict is not None or self._stops.request is not None:
             return False  # off, found already, or stopping already (its stopper ends it)
         stalled = self.ranks.stalled(self.hang_timeout, time.monotonic() if now is None else now)
         if not stalled:
             return False
-        self._hung(stalled)
-        return True
+        return self._hung(stalled)
 
-    def _hung(self, stalled: list[int]) -> None:
+    def _hung(self, stalled: list[int]) -> bool:
         assert self.hang_timeout is not None
         self._say(
             f"no progress from rank(s) {stalled} for hang_timeout={self.hang_timeout:g} s: the run looks "
@@ -166,6 +172,10 @@ class HangWatch:
         for state in verdict.ranks:
             self._say(f"hang: {verdict.summary(state)}")
         self._say(f"hang: {verdict.suspect_line()}")
+        if self._survive is not None and self._survive(verdict):
+            self.ranks.start_over(time.monotonic())
+            self.verdict = None  # the run went on without the suspects: watch what is left
+            return False
         error = verdict.error(self._grace)
 
         def fail_the_run(_: int) -> None:
@@ -173,6 +183,7 @@ class HangWatch:
 
         if self._stops.stop(HUNG, self._grace, before_sending=fail_the_run):
             self._end_after_grace(verdict.silent)
+        return True
 
     def _end_after_grace(self, silent: list[int]) -> None:
         """End what is left once the grace period is out, or at once when no live rank watches."""
@@ -204,9 +215,13 @@ def _send(key: object) -> None:
 
 
 def watch_hangs(
-    channel: RunChannel, spec: TrainingSpec, hard_stop: Callable[[list[int]], object]
+    channel: RunChannel,
+    spec: TrainingSpec,
+    hard_stop: Callable[[list[int]], object],
+    survive: Callable[[HangVerdict], bool] | None = None,
 ) -> HangWatch:
-    """The hang watch of a run on ``channel`` with ``spec``'s ``hang_timeout`` and grace period."""
+    """The hang watch of a run on ``channel`` with ``spec``'s ``hang_timeout`` and grace period
+    (``survive``: an elastic run's, see :class:`HangWatch`)."""
     return HangWatch(
         channel.hangs,
         channel.stops,
@@ -215,4 +230,5 @@ def watch_hangs(
         grace=spec.stop_grace_period,
         hard_stop=hard_stop,
         publish=channel.publish_metric,
+        survive=survive,
     )

@@ -20,17 +20,19 @@ from airflow_provider_torchdist.spark.driver.channel import RunChannel
 from airflow_provider_torchdist.spark.driver.decommission import Decommissions
 from airflow_provider_torchdist.spark.driver.executor_loss import ExecutorWatch
 from airflow_provider_torchdist.spark.driver.finish import finish
+from airflow_provider_torchdist.spark.driver.hang_watch import watch_hangs
 from airflow_provider_torchdist.spark.driver.spark_context import (
     cluster_channel,
     first_line,
     open_run,
     spark_driver,
 )
+from airflow_provider_torchdist.spark.elastic.hung_nodes import HungNodes
 from airflow_provider_torchdist.spark.elastic.task import RendezvousStore
 from airflow_provider_torchdist.spark.elastic.world_sizes import WorldSizeHistory
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
-from airflow_provider_torchdist.spark.wire.outcome import Outcome
+from airflow_provider_torchdist.spark.wire.outcome import HUNG_ERROR_PREFIX, Outcome
 from airflow_provider_torchdist.spark.wire.protocol import ProtocolError
 
 
@@ -76,7 +78,7 @@ def run_elastic(spec: JobSpec, staging: Path) -> Outcome:
             )
             results, error = elastic_stage((sc, group), spec, channel, store.address, monitor, staging)
             failures = channel.failures
-            error = elastic_verdict(spec, monitor, failures, channel.say) or error
+            error = hang_or_loss(spec, monitor, failures, channel.say, error)
             emit("channel_close")
         emit("channel_closed")
         outcome = Outcome(
@@ -107,6 +109,9 @@ def elastic_stage(
     sc, group = job
     stage = sc.parallelize(range(spec.num_nodes), spec.num_nodes)
     watch = ExecutorWatch(sc, lambda: monitor.lost(watch.lost))
+    # A hang is a node loss: the suspects' nodes leave; the run stops only when none can.
+    hung = HungNodes(spec, monitor.store, monitor, channel.hangs, channel.say)
+    hangs = watch_hangs(channel, spec, lambda _: monitor.cancel(), survive=hung)
     # A decommissioned node leaves after every rank's checkpoint, not after a crash.
     leaving = Decommissions(
         sc,
@@ -120,14 +125,16 @@ def elastic_stage(
         leave=monitor.left,
     )
     try:
-        with watch, leaving:
+        with watch, leaving, hangs:
             emit("elastic_stage_submitted")
             results = stage.mapPartitions(
                 functools.partial(elastic_task, spec, channel.address, store, str(staging))
             ).collect()
             emit("elastic_stage_done")
-        return results, None
+        return results, hangs.error
     except Exception as exc:
+        if hangs.error:  # the stage was cancelled because the run hung
+            return [], hangs.error
         return [], None if channel.failures else first_line(exc)
 
 
@@ -148,7 +155,7 @@ class ElasticMonitor:
         self, spec: JobSpec, store: RendezvousStore, cancel: Callable[[], None], say: Callable[[str], None]
     ) -> None:
         self._spec = spec
-        self._store = store
+        self._store = self.store = store
         self._cancel = cancel
         self.history = WorldSizeHistory(say=say)
         self._noted: set[str] = set()
@@ -176,17 +183,27 @@ class ElasticMonitor:
         every rank waits, so all restart now; the executors' later end is not a second loss."""
         self.lost(executors, decommissioned=True)
 
-    def lost(self, executors: dict[str, str], decommissioned: bool = False) -> None:
+    def lost(
+        self,
+        executors: dict[str, str],
+        decommissioned: bool = False,
+        hung: bool = False,
+        at: float | None = None,
+    ) -> None:
+        """Nodes left the run (see the class docstring); ``hung``: made to leave by the hang watch
+        (:mod:`.hung_nodes`), when they were told to at ``at`` (epoch seconds)."""
         with self._lock:
             new = [(address, host) for address, host in list(executors.items()) if address not in self._noted]
             self._noted.update(address for address, _ in new)
         if not new:
             return
         for _, host in new:
-            self.history.node_lost(host, decommissioned=decommissioned)
+            self.history.node_lost(host, decommissioned=decommissioned, hung=hung)
         # Survivors may block in a collective with the lost ranks: restart those that started
-        # before the loss (Spark noticed it a moment after it happened).
-        self._store.restart_survivors(lost_at=time.time() - (0.0 if decommissioned else 1.0))
+        # before the loss (Spark noticed it a moment after it happened; a hung node's ranks were
+        # killed when it was told to leave, and a survivor that restarted since is left alone).
+        lost_at = at if at is not None else time.time() - (0.0 if decommissioned else 1.0)
+        self._store.restart_survivors(lost_at=lost_at)
         self._regrouped.clear()
         deadline = self._spec.rendezvous_timeout + self._spec.join_window + self.MARGIN_S
         threading.Thread(target=self._deadline, args=(deadline,), daemon=True).start()
@@ -209,6 +226,16 @@ def elastic_verdict(
         return None
     say(error)
     return error
+
+
+def hang_or_loss(
+    spec: JobSpec, monitor: ElasticMonitor, failures: list[Any], say: Callable[[str], None], error: str | None
+) -> str | None:
+    """The run's error: ``error`` when the run hung (no node could be singled out: it fails with
+    ``TrainingHung``, whatever nodes it lost before), else the losses' verdict, else ``error``."""
+    if error is not None and error.startswith(HUNG_ERROR_PREFIX):
+        return error
+    return elastic_verdict(spec, monitor, failures, say) or error
 
 
 def _elastic_loss_error(

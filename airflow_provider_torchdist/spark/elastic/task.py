@@ -16,15 +16,14 @@ re-rendezvouses at the new size; the ranks resume from ``load_latest_checkpoint`
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+from airflow_provider_torchdist.spark.elastic.workers import stop_workers_started_before
 from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
@@ -73,16 +72,22 @@ class RendezvousStore:
         )
         self.address = (host, port)
 
-    def restart_survivors(self, lost_at: float) -> int:
-        """Tell every agent to restart its workers that started before ``lost_at`` (epoch seconds);
-        returns the count of such requests. Signed: the store has no authentication."""
+    def restart_survivors(self, lost_at: float, leave: list[int] | None = None) -> int:
+        """Tell every agent to restart its workers that started before ``lost_at`` (epoch seconds;
+        0: none), and the nodes in ``leave`` to leave the run; returns the count of such requests.
+        Signed: the store has no authentication."""
         from airflow_provider_torchdist.spark.node.signed_rendezvous import seal
 
         with self._lock:
             self._restarts += 1
-            request = json.dumps({"n": self._restarts, "before": lost_at}).encode()
+            request = json.dumps({"n": self._restarts, "before": lost_at, "leave": leave}).encode()
             self._store.set(RESTART_KEY, seal(self._key, request))
             return self._restarts
+
+    def leave(self, nodes: list[int]) -> int:
+        """Tell ``nodes`` (node ranks) to leave the run, their ranks killed (a hung node:
+        :mod:`.hung_nodes`); the other agents restart nothing for it."""
+        return self.restart_survivors(0.0, leave=nodes)
 
 
 class RestartWatch:
@@ -92,10 +97,13 @@ class RestartWatch:
     A worker group that re-formed after the loss (its ranks saw their peers' sockets close) is left
     alone. The request is signed with a key from the run's elastic key (``elastic_key``, from the
     driver); one that does not verify is ignored, so a stranger who reaches the store cannot make
-    the run spend its restarts.
+    the run spend its restarts. A request that names this ``node`` among those to leave makes
+    it leave (:func:`.workers.leave_the_run`), and :attr:`left` turns True.
     """
 
-    def __init__(self, store: tuple[str, int], timeout: float, elastic_key: bytes) -> None:
+    def __init__(
+        self, store: tuple[str, int], timeout: float, elastic_key: bytes, node: int | None = None
+    ) -> None:
         from torch.distributed import TCPStore
 
         from airflow_provider_torchdist.spark.node.signed_rendezvous import run_key
@@ -104,7 +112,7 @@ class RestartWatch:
         self._client = TCPStore(
             store[0], store[1], is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
         )
-        self._seen = 0
+        self._seen, self._node, self.left = 0, node, False
         self._seen = self._request()[0]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torchdist-restart-watch", daemon=True)
@@ -119,82 +127,36 @@ class RestartWatch:
         self._stop.set()
         self._thread.join(5)
 
-    def _request(self) -> tuple[int, float]:
-        """The latest verified request: ``(its number, the loss time)``; ``(0, 0.0)`` for none."""
+    def _request(self) -> tuple[int, float, list[int]]:
+        """The latest verified request: ``(its number, the loss time, the nodes to leave)``;
+        ``(0, 0.0, [])`` for none."""
         from airflow_provider_torchdist.spark.node.signed_rendezvous import unseal
 
         if not self._client.check([RESTART_KEY]):
-            return 0, 0.0
+            return 0, 0.0, []
         try:
             request = json.loads(unseal(self._key, self._client.get(RESTART_KEY), "restart request"))
-            return int(request["n"]), float(request["before"])
+            return int(request["n"]), float(request["before"]), list(request.get("leave") or [])
         except Exception:  # unsigned, forged or malformed: not the driver's
-            return self._seen, 0.0
+            return self._seen, 0.0, []
 
     def _run(self) -> None:
         while not self._stop.wait(WATCH_EVERY_S):
             try:
-                number, lost_at = self._request()
+                number, lost_at, leave = self._request()
             except Exception:  # the driver is gone: the run is ending, Spark ends this task
+                return
+            if number > self._seen and self._node is not None and self._node in leave:
+                from airflow_provider_torchdist.spark.elastic.workers import leave_the_run
+
+                self.left = True  # before the agent's signal: the task reads it once the agent ends
+                leave_the_run()
                 return
             if number > self._seen:
                 self._seen = number
-                self.restarts += 1
-                stop_workers_started_before(lost_at)
-
-
-def stop_workers_started_before(seen_at: float) -> list[int]:
-    """SIGKILL this agent's worker processes created before ``seen_at`` (epoch seconds, the
-    driver's clock: hosts' clocks must agree to within about a second); returns their PIDs.
-
-    SIGKILL, because a rank blocked in a collective does not run Python signal handlers. The
-    agent sees the workers fail and restarts them (one of ``max_restarts``).
-
-    A rank that is failing on its own (its peer's host just went) may be writing torchelastic's
-    error file when the request comes, and torch writes it in place. Killed mid-write, it would
-    leave a truncated file that fails the agent itself (``JSONDecodeError`` reading it, in
-    ``ProcessFailure``) instead of a restart. So the workers are frozen first (SIGSTOP), and an error
-    file one of them still holds open that does not parse is removed before the SIGKILL: the agent
-    then sees a worker killed by a signal, and restarts it.
-    """
-    import psutil
-
-    workers = []
-    for child in psutil.Process().children():
-        with contextlib.suppress(psutil.Error):
-            if child.create_time() < seen_at:
-                child.suspend()
-                workers.append(child)
-    for child in workers:
-        with contextlib.suppress(psutil.Error):
-            _wait_stopped(child)
-            for held in child.open_files():
-                if os.path.basename(held.path) == "error.json" and not _parses(held.path):
-                    with contextlib.suppress(OSError):
-                        os.unlink(held.path)
-        with contextlib.suppress(psutil.Error):
-            child.kill()
-    return [child.pid for child in workers]
-
-
-def _wait_stopped(process: Any, timeout: float = 2.0) -> None:
-    """Until ``process`` is stopped (a signal is delivered, not acted on, when ``kill`` returns)."""
-    import psutil
-
-    deadline = time.monotonic() + timeout
-    while (
-        process.status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE) and time.monotonic() < deadline
-    ):
-        time.sleep(0.005)
-
-
-def _parses(path: str) -> bool:
-    try:
-        with open(path, encoding="utf-8") as file:
-            json.load(file)
-        return True
-    except (OSError, ValueError):
-        return False
+                if lost_at:
+                    self.restarts += 1
+                    stop_workers_started_before(lost_at)
 
 
 def elastic_task(
@@ -270,6 +232,7 @@ def run_elastic_node(
     :class:`RestartWatch`; returns the failures of its ranks."""
     from pyspark import SparkFiles
 
+    from airflow_provider_torchdist.spark.elastic.hung_nodes import left_hung
     from airflow_provider_torchdist.spark.node.barrier import gpu_environment, shared_output_dir
 
     gpus = ctx.resources().get("gpu")
@@ -279,8 +242,8 @@ def run_elastic_node(
 
     assert client.host is not None and client.elastic_key is not None
     use_key(spec.run_id, client.elastic_key)  # the agent's rendezvous signs its state with it
-    with RestartWatch(store, spec.rendezvous_timeout, client.elastic_key):
-        return launch_node(
+    with RestartWatch(store, spec.rendezvous_timeout, client.elastic_key, node=ctx.partitionId()) as watch:
+        failures = launch_node(
             spec,
             node_rank=ctx.partitionId(),
             entry_path=entry_path or SparkFiles.get(spec.entry),
@@ -292,3 +255,4 @@ def run_elastic_node(
             node_key=client.node_key,
             store=store,
         )
+    return [left_hung(client.host)] if watch.left else failures

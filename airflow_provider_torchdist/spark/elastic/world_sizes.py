@@ -37,12 +37,16 @@ class WorldSizeHistory:
         self._unexplained: int | None = None
         self._generations = 0
 
-    def node_lost(self, host: str, at: float | None = None, decommissioned: bool = False) -> None:
+    def node_lost(
+        self, host: str, at: float | None = None, decommissioned: bool = False, hung: bool = False
+    ) -> None:
         """Spark lost the executor on ``host`` (or ``decommissioned`` it, and its node left after the
-        ranks' checkpoint): the reason of the next decrease, or of the one just recorded without a
-        reason (the survivors may meet again before Spark notices the loss)."""
+        ranks' checkpoint; or its node ``hung`` and was made to leave): the reason of the next
+        decrease, or of the one just recorded without a reason (the survivors may meet again before
+        Spark notices the loss)."""
         at = time.time() if at is None else at
         reason = f"the node on {host} was decommissioned" if decommissioned else f"lost the node on {host}"
+        reason = f"the node on {host} hung" if hung else reason
         with self._lock:
             self.losses.append((at, host))
             if self._unexplained is not None:
@@ -50,6 +54,12 @@ class WorldSizeHistory:
                 self._unexplained = None
             else:
                 self._pending.append(reason)
+        if hung:
+            self._say(
+                f"elastic: the node on {host} left at {_clock(at)} (hung: its ranks were killed); the "
+                "other ranks restart from the latest checkpoint and meet again without it"
+            )
+            return
         if decommissioned:
             self._say(
                 f"elastic: the node on {host} left at {_clock(at)} (decommissioned); the other ranks "

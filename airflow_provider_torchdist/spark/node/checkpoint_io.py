@@ -104,6 +104,24 @@ class StoreObjects:
             else os.path.join(self.root, *parts)
         )
 
+    # Public for the store's other users (a rank's position, resume_position): the same operations.
+
+    def join(self, *parts: str) -> str:
+        """The path of ``parts`` under the store's root."""
+        return self._join(*parts)
+
+    def write_whole(self, path: str, data: bytes) -> None:
+        """Write the object at ``path`` whole (one PUT; locally a private file renamed into place)."""
+        self._write(path, data)
+
+    def read_at_most(self, path: str, most: int) -> bytes:
+        """The object at ``path``; ``ValueError`` when it holds more than ``most`` bytes."""
+        return self._read(path, most)
+
+    def remove(self, path: str) -> None:
+        """Remove the object at ``path`` (gone already: nothing to do)."""
+        self._remove(path)
+
     def _step_names(self) -> list[str]:
         if self.fs is None:
             try:
@@ -165,6 +183,16 @@ class StoreObjects:
             shutil.copyfileobj(remote, local, CHUNK)
             local.seek(0)
             yield local
+
+    @contextmanager
+    def _stream(self, path: str) -> Iterator[BinaryIO]:
+        """The object at ``path`` open for one sequential read (remote: streamed, not copied first)."""
+        if self.fs is None:
+            with open_regular(path) as source:
+                yield source
+            return
+        with self.fs.open(path, "rb") as remote:
+            yield remote
 
     def _remove(self, path: str) -> None:
         try:

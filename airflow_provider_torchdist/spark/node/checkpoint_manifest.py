@@ -121,6 +121,7 @@ class Manifest:
     try_number: int | None = None
     finished: bool = False
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"bytes", "sha256"}
+    sharded: bool = False  # written by every rank with torch's distributed checkpoint (DCP)
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, sort_keys=True, indent=1)
@@ -145,6 +146,7 @@ class Manifest:
             and isinstance(data.get("run"), dict | None)
             and (data.get("try_number") is None or _is_int(data["try_number"]))
             and isinstance(data.get("finished", False), bool)
+            and isinstance(data.get("sharded", False), bool)
             and isinstance(files, dict)
             and all(isinstance(f, dict) for f in files.values())
             and all(isinstance(n, str) and FILE_NAME.match(n) and n != MANIFEST for n in files)
@@ -158,6 +160,7 @@ class Manifest:
             try_number=data.get("try_number"),
             finished=data.get("finished", False),
             files=dict(files),
+            sharded=data.get("sharded", False),
         )
 
 

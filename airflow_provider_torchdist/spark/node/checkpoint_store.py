@@ -24,7 +24,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
@@ -45,6 +45,7 @@ from airflow_provider_torchdist.spark.node.checkpoint_manifest import (
     run_token,
     step_dir,
 )
+from airflow_provider_torchdist.spark.node.resume_position import delete_positions
 
 __all__ = ["ALL_RUNS", "CheckpointStore", "CheckpointStoreError", "digest", "local_path"]
 
@@ -167,6 +168,25 @@ class CheckpointStore(StoreObjects):
             os.unlink(tmp)
             raise
 
+    def staging_dir(self) -> str:
+        """A new private directory to write a checkpoint's files into before :meth:`place`: inside
+        a local store (placing is then a rename), in the temp dir for a remote one."""
+        if self.fs is None:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+        return tempfile.mkdtemp(prefix=".staging-", dir=self.root if self.fs is None else None)
+
+    def begin_step(self, manifest: Manifest) -> None:
+        """Make the step's prefix ready for :meth:`place` (a step written again is uncommitted)."""
+        name = step_dir(manifest.step, manifest.run)
+        if self.fs is None:
+            self._make_step_dir(name)
+        self._remove(self._join(name, MANIFEST))
+
+    def place(self, manifest: Manifest, file_name: str, local: str) -> None:
+        """Put the finished local file ``local`` in the step's prefix as ``file_name`` (renamed
+        locally, uploaded remotely); the manifest that lists it is written after."""
+        self._put(local, self._join(step_dir(manifest.step, manifest.run), checked_file_name(file_name)))
+
     def rewrite_manifest(self, manifest: Manifest) -> None:
         """Replace a committed checkpoint's manifest (to record that its run finished)."""
         self._write(self._join(step_dir(manifest.step, manifest.run), MANIFEST), manifest.to_json().encode())
@@ -177,9 +197,11 @@ class CheckpointStore(StoreObjects):
         names = [MANIFEST, *sorted({STATE, *manifest.files})]  # names checked when the manifest was read
         if self.fs is None:
             self._delete_local(name, names)
+            delete_positions(self, manifest)  # the step's data positions (resume_position)
             return
         for file_name in names:
             self._remove(self._join(name, file_name))
+        delete_positions(self, manifest)
 
     def _delete_local(self, name: str, file_names: list[str]) -> None:
         """Unlink ``file_names`` inside the step's directory through a descriptor of it, opened
@@ -226,21 +248,34 @@ class CheckpointStore(StoreObjects):
         with self.open_state(manifest) as source:
             return source.read()
 
-    def fetch(self, manifest: Manifest, directory: str) -> list[str]:
-        """Copy every file of the checkpoint into the local ``directory`` (created 0700 if missing),
-        each checked against the manifest, then renamed into place (so processes fetching the same
-        checkpoint into one directory at once never see a torn file); returns the names."""
+    def fetch(self, manifest: Manifest, directory: str, names: Iterable[str] | None = None) -> list[str]:
+        """Copy every file of the checkpoint (or those of ``names``) into the local ``directory``
+        (created 0700 if missing), each checked against the manifest, then renamed into place (so
+        processes fetching the same checkpoint into one directory at once never see a torn file);
+        returns the names."""
         os.makedirs(directory, mode=0o700, exist_ok=True)
         if not stat.S_ISDIR(os.lstat(directory).st_mode):
             raise NotADirectoryError(f"{directory} is not a directory (a symlink?): nothing fetched")
-        for file_name in sorted(manifest.files):
+        wanted = sorted(manifest.files if names is None else set(names))
+        for file_name in wanted:
+            if file_name not in manifest.files:
+                raise CheckpointStoreError(f"{self.uri_of(manifest)} has no file {file_name!r}")
+            path = self._join(step_dir(manifest.step, manifest.run), checked_file_name(file_name))
             fd, tmp = tempfile.mkstemp(prefix=f".{file_name}.", suffix=".tmp", dir=directory)
             try:
-                with os.fdopen(fd, "wb") as out, self.open_file(manifest, file_name) as source:
-                    shutil.copyfileobj(source, out, CHUNK)
+                # One pass: hashed as it is copied, then checked (the copy is private: what was
+                # checked is what is read later).
+                with os.fdopen(fd, "wb") as out, self._stream(path) as source:
+                    hashing = HashingWriter(out)
+                    shutil.copyfileobj(source, hashing, CHUNK)
+                expected = manifest.files[file_name]
+                if hashing.digest() != {"bytes": expected.get("bytes"), "sha256": expected.get("sha256")}:
+                    raise CheckpointStoreError(
+                        f"{path} does not match its manifest (size or SHA-256): it was changed after the commit"
+                    )
                 os.replace(tmp, os.path.join(directory, file_name))
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
                 raise
-        return sorted(manifest.files)
+        return wanted

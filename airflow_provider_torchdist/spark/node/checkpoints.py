@@ -34,31 +34,42 @@ store. Classes of your own can be allowed by name with
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from airflow_provider_torchdist.spark.node import async_saves
+from airflow_provider_torchdist.spark.node import checkpoint_saves as saves
+from airflow_provider_torchdist.spark.node.async_saves import CheckpointSaveFailed
 from airflow_provider_torchdist.spark.node.checkpoint_files import CheckpointNotAFile
 from airflow_provider_torchdist.spark.node.checkpoint_manifest import (
     CHECKPOINT_ENV,
     Manifest,
     Settings,
     choose_resume,
-    clean_metrics,
-    to_keep,
 )
 from airflow_provider_torchdist.spark.node.checkpoint_state import (
     CheckpointRefused,
-    dump_state,
     load_state,
 )
 from airflow_provider_torchdist.spark.node.checkpoint_store import CheckpointStore, Contents, local_path
+from airflow_provider_torchdist.spark.node.resume_position import (
+    capture_position,
+    restore_position,
+    write_position,
+)
+from airflow_provider_torchdist.spark.node.sharded_checkpoints import (
+    check_plain_values,
+    checkpoint_group,
+    is_sharded,
+    load_sharded,
+)
 
 __all__ = [
     "CHECKPOINT_ENV",
     "CheckpointNotAFile",
     "CheckpointRefused",
+    "CheckpointSaveFailed",
     "checkpoint_dir",
     "checkpoint_uri",
     "commit_checkpoint",
@@ -82,17 +93,6 @@ def checkpoint_dir() -> Path | None:
     return Path(path) if path else None
 
 
-def _store() -> CheckpointStore:
-    store = CheckpointStore.from_env()
-    if store is None:
-        raise RuntimeError(f"no checkpoint directory: {CHECKPOINT_ENV} is not set (set checkpoint_dir=)")
-    return store
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
 def save_checkpoint(
     state: Any,
     step: int,
@@ -101,9 +101,18 @@ def save_checkpoint(
     keep: int | None = None,
     all_ranks: bool = False,
     weights_only: bool = True,
+    sharded: bool | None = None,
+    asynchronous: bool = False,
 ) -> str | None:
-    """Commit ``state`` as the checkpoint of ``step`` (global rank 0 only, unless ``all_ranks``);
-    returns its URI (None on the ranks that do not write).
+    """Commit ``state`` as the checkpoint of ``step``; returns its URI (None on the ranks that do
+    not write). Every rank calls it.
+
+    A plain state (a ``state_dict()``, tensors and plain values) is written by global rank 0 only
+    (every rank, each to its own store, with ``all_ranks``). A **sharded** state, one that holds
+    ``DTensor``s (FSDP2's ``fully_shard``, tensor parallelism; ``get_state_dict(model, optimizer)``
+    of either), is written by every rank, each its own shards, with torch's distributed checkpoint
+    (DCP), and committed once for all (``sharded=True`` forces this for any state,
+    ``sharded=False`` refuses it). Load it back with ``load_latest_checkpoint(state=...)``.
 
     Its files are written whole, then its manifest (the commit), so a rank killed mid-write never
     leaves a checkpoint a restart would load. ``metrics`` (numbers, such as ``{"val_loss": 0.2}``)
@@ -111,16 +120,37 @@ def save_checkpoint(
     Then retention deletes this DAG run's checkpoints beyond the ``checkpoint_keep_last`` newest
     (``keep`` overrides it) and the ``checkpoint_keep_best`` best.
 
+    With ``asynchronous=True`` it returns once the state is copied (staged); writing and
+    uploading go on in a thread beside training. The next save, and the end of the training
+    function or script (a finished run, a graceful stop), wait for it; one that failed raises
+    ``CheckpointSaveFailed`` there, naming the checkpoint, and fails the run.
+
     With ``weights_only`` (the default) a state that a ``weights_only`` load would refuse (a numpy
     array, an object of your own class not allowed with ``torch.serialization.add_safe_globals``)
     raises :class:`CheckpointRefused` and is not written.
     """
-    if _rank() != 0 and not all_ranks:
-        _store()  # every rank learns at once that the run has no checkpoint directory
+    store = saves.run_store()  # every rank learns at once that the run has no checkpoint directory
+    # This rank's data position and generators now (resume_position), written with the checkpoint.
+    position = capture_position(step)
+    if sharded is None:
+        sharded = is_sharded(state)
+    if sharded:
+        return saves.save_sharded(store, state, step, metrics, keep, weights_only, asynchronous, position)
+    if saves.rank() != 0 and not all_ranks:
+        write_position(store, step, position)
         return None
-    return commit_checkpoint(
-        lambda out: dump_state(state, step, out, weights_only=weights_only), step, metrics=metrics, keep=keep
+    manifest = saves.new_manifest(step, metrics)
+    if not asynchronous:
+        async_saves.wait_for_checkpoints()  # one save at a time, committed in order
+        return saves.save_plain(state, manifest, keep, weights_only, position)
+    if weights_only:
+        check_plain_values(state, step)  # refused here, not later in the thread
+    async_saves.wait_for_checkpoints()  # the one before reads the staging buffers
+    staged = async_saves.stage(state)
+    async_saves.start(
+        lambda: saves.save_plain(staged, manifest, keep, weights_only, position), step, store.uri_of(manifest)
     )
+    return store.uri_of(manifest)
 
 
 def commit_checkpoint(
@@ -133,26 +163,8 @@ def commit_checkpoint(
     """Commit a checkpoint of ``step`` whose files are ``contents`` (``state.pt``'s, or
     ``{name: contents}``) in this process, then apply retention to this DAG run's checkpoints;
     returns its URI. What ``save_checkpoint`` and the framework callbacks share."""
-    store = _store()
-    settings = Settings.from_env()
-    manifest = Manifest(
-        step=int(step),
-        time=time.time(),
-        metrics=clean_metrics(metrics),
-        run=settings.run,
-        try_number=settings.try_number,
-    )
-    # Streamed into private temporary files and committed from there: never whole in memory here.
-    manifest = store.commit(manifest, contents)
-    policy = settings.policy
-    if keep is not None:
-        policy = type(policy)(**{**policy.__dict__, "keep_last": int(keep)})
-    mine = store.committed(settings.run)
-    kept = {m.step for m in to_keep(mine, policy)} | {manifest.step}
-    for old in mine:
-        if old.step not in kept:
-            store.delete(old)
-    return store.uri_of(manifest)
+    async_saves.wait_for_checkpoints()
+    return saves.commit_files(contents, saves.new_manifest(step, metrics), keep)
 
 
 def resume_choice() -> tuple[CheckpointStore, Manifest] | None:
@@ -168,22 +180,32 @@ def resume_choice() -> tuple[CheckpointStore, Manifest] | None:
     else:
         source = store
         chosen, why = choose_resume(store.committed(), settings, store.uri)
-    if _rank() == 0:
+    if saves.rank() == 0:
         print(f"torchdist checkpoints: {why}", flush=True)
     return None if chosen is None else (source, chosen)
 
 
-def load_latest_checkpoint(map_location: Any = "cpu", *, weights_only: bool = True) -> tuple[int, Any] | None:
+def load_latest_checkpoint(
+    map_location: Any = "cpu", *, weights_only: bool = True, state: Any = None
+) -> tuple[int, Any] | None:
     """``(step, state)`` of the checkpoint this run resumes from, or None: start from the beginning.
 
     That is this DAG run's newest (an earlier try or restart of the same task wrote it); another
     DAG run's only with the task's ``resume_from`` (``"latest"``, or one checkpoint's URI). Rank 0
     prints which it chose and why.
 
+    A sharded checkpoint (one ``save_checkpoint`` wrote from ``DTensor``s) is read into ``state``,
+    which every rank passes: the state dict of the model and optimizer as they are now
+    (``get_state_dict(model, optimizer)`` after ``fully_shard``), whose shapes and placements say
+    what each rank reads. DCP reshards it, so a checkpoint of 2 ranks resumes on 1 or 4. Load it
+    into the model with ``set_state_dict``. A plain checkpoint is returned as loaded; ``state`` is
+    then not used.
+
     Loaded with ``torch.load(..., weights_only=True)``: tensors, numbers, strings and plain
     containers, so a model's or an optimizer's ``state_dict``. A checkpoint holding anything else
     raises :class:`CheckpointRefused` naming it; nothing in it runs. Allow classes of your own with
-    ``torch.serialization.add_safe_globals([MyConfig])`` before the call.
+    ``torch.serialization.add_safe_globals([MyConfig])`` before the call. A sharded checkpoint's
+    DCP metadata is checked before DCP reads it, whatever ``weights_only`` says.
 
     ``weights_only=False`` unpickles in full. **That runs any code the checkpoint holds**, and the
     store is one that every executor of the run can write: one compromised executor could plant a
@@ -194,9 +216,18 @@ def load_latest_checkpoint(map_location: Any = "cpu", *, weights_only: bool = Tr
     if found is None:
         return None
     source, chosen = found
-    with source.open_state(chosen) as state:
+    restore_position(source, chosen)  # every rank: its generators and where rank_batches resumes
+    if chosen.sharded:
+        if state is None:
+            raise ValueError(
+                f"{source.uri_of(chosen)} is a sharded checkpoint: pass the state to read it into, "
+                "load_latest_checkpoint(state=get_state_dict(model, optimizer)) on every rank"
+            )
+        group = checkpoint_group()
+        return chosen.step, load_sharded(source, chosen, state, group, weights_only=weights_only)
+    with source.open_state(chosen) as opened:
         loaded = load_state(
-            state, source.uri_of(chosen), map_location=map_location, weights_only=weights_only
+            opened, source.uri_of(chosen), map_location=map_location, weights_only=weights_only
         )
     return chosen.step, loaded
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import cloudpickle
 
-from airflow_provider_torchdist.spark.node import progress, rank_context, script_output, stop
+from airflow_provider_torchdist.spark.node import async_saves, progress, rank_context, script_output, stop
 from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
 from airflow_provider_torchdist.spark.node.output_capture import OutputCapture
 from airflow_provider_torchdist.spark.node.rank_output import send_output
@@ -163,11 +163,16 @@ def call_work(spec: JobSpec, entry_path: str) -> Any:
     its last line would be): rank 0 still hands on what it passed to ``set_output``."""
     script_output.begin(spec.kind)
     try:
-        return call_entry(spec, entry_path)
-    except SystemExit as exc:
-        if exc.code not in (None, 0) or spec.kind == "callable":
-            raise
-        return None
+        try:
+            value = call_entry(spec, entry_path)
+        except SystemExit as exc:
+            if exc.code not in (None, 0) or spec.kind == "callable":
+                raise
+            value = None
+        # An asynchronous checkpoint save still uploading: the work ends once it is committed,
+        # and a failed one fails the rank (a finished run and a graceful stop alike).
+        async_saves.wait_for_checkpoints()
+        return value
     finally:
         progress.work_done.set()  # for the hang watchdog: what follows is the runtime's, not a hang
 

@@ -49,9 +49,14 @@ NCCL_TRACE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 #: host once this agent is gone (:func:`~airflow_provider_torchdist.spark.wire.private_files.private_directory`).
 NCCL_TRACE_DIR_PREFIX = "torchdist-nccl-trace-"
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_PACKAGE_PREFIX = os.path.join(_PACKAGE_DIR, "")
-_RANK_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank.py")
+# This package and rank.py as code objects name them: the path they were imported from (relative
+# when spark-submit ships the package as ``--py-files``: ``./torchdist_spark.zip/...``), and that
+# path made absolute.
+_HERE = (__file__, os.path.abspath(__file__))
+_PACKAGE_PREFIXES = tuple(
+    {os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(f))), "") for f in _HERE}
+)
+_RANK_FILES = frozenset(os.path.join(os.path.dirname(f), "rank.py") for f in _HERE)
 #: Directories whose code is not the user's: the standard library, installed packages, this package.
 _LIBRARY_DIRS = tuple(
     {
@@ -59,7 +64,7 @@ _LIBRARY_DIRS = tuple(
         for key in ("stdlib", "platstdlib", "purelib", "platlib")
         if (p := sysconfig.get_paths().get(key))
     }
-    | {_PACKAGE_PREFIX}
+    | set(_PACKAGE_PREFIXES)
 )
 _DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"
 _ELASTIC = f"{_DISTRIBUTED}elastic{os.sep}"
@@ -81,7 +86,7 @@ def users_part(stack: list[Frame]) -> list[Frame]:
     """The frames the rank's work runs in: those above the runtime's call of the user's code
     (``rank.call_entry``), without torchrun's own (``torch/distributed/elastic``)."""
     for i in range(len(stack) - 1, -1, -1):
-        if stack[i][0] == _RANK_FILE and stack[i][2] == "call_entry":
+        if stack[i][0] in _RANK_FILES and stack[i][2] == "call_entry":
             return stack[i + 1 :]
     return [f for f in stack if _ELASTIC not in f[0]]
 
@@ -102,7 +107,7 @@ def position(stack: list[Frame]) -> tuple[str, str | None]:
 def _runtime_only(stack: traceback.StackSummary) -> bool:
     """A thread of this provider's runtime: its frames are this package's and the standard library's."""
     files = [f.filename for f in stack]
-    return any(f.startswith(_PACKAGE_PREFIX) for f in files) and all(
+    return any(f.startswith(_PACKAGE_PREFIXES) for f in files) and all(
         f.startswith(_LIBRARY_DIRS) for f in files
     )
 

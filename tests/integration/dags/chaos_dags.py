@@ -11,7 +11,9 @@ cluster's master) and ``driver_host`` (the address the driver binds to, which th
 executors reach).
 
 - ``chaos_durable``: the run outlives its task (``durable=True``): a retry reattaches to it;
-- ``chaos_deferrable``: the triggerer waits for the run (``deferrable=True``).
+- ``chaos_deferrable``: the triggerer waits for the run (``deferrable=True``);
+- ``chaos_hang_watch``: ``chaos_durable`` with ``hang_timeout=30`` (the frozen-rank fault: a
+  hung run is found in the soak's time, not after the default 300 s).
 
 ``TORCHDIST_CHAOS_STAGING`` (read when the DAG file is parsed) is the runs' ``staging_dir``: the
 soak's full form puts it on a small disk of its own, to fill it.
@@ -100,3 +102,4 @@ def chaos_dag(dag_id: str, **lifetime: Any) -> None:
 
 chaos_dag("chaos_durable", durable=True)
 chaos_dag("chaos_deferrable", deferrable=True)
+chaos_dag("chaos_hang_watch", durable=True, hang_timeout=30)

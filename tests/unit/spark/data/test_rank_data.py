@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -17,7 +18,8 @@ import pytest
 import torch
 
 from airflow_provider_torchdist import rank_batches, rank_shard
-from airflow_provider_torchdist.spark.data.rank_data import DATA_DIR_ENV, shard_file
+from airflow_provider_torchdist.spark.data.batch_order import SHUFFLE_SEED_ENV
+from airflow_provider_torchdist.spark.data.rank_data import DATA_DIR_ENV, data_environment, shard_file
 
 
 def write_shard(directory: Path, rank: int, batches: list[dict[str, pa.Array]]) -> Path:
@@ -293,3 +295,54 @@ def test_lists_of_different_lengths_are_refused(tmp_path: Path, monkeypatch: pyt
         TypeError, match=r"column 'v' \(list<item: float>\) holds lists of different lengths \(1, 2\)"
     ):
         rank_batches(2)
+
+
+def epoch_ids(epoch: int, **kwargs: Any) -> list[list[int]]:
+    return [b["id"].tolist() for b in rank_batches(4, columns=["id", "features"], epoch=epoch, **kwargs)]
+
+
+def test_each_epoch_is_reshuffled_from_the_seed_and_the_epoch(
+    shard_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``epoch=e`` with ``train_data_shuffle_seed``: every row once an epoch, an order of its own
+    each epoch, the same for the same (seed, epoch, rank) in another process or try."""
+    monkeypatch.setenv(SHUFFLE_SEED_ENV, "7")
+    epochs = [epoch_ids(e) for e in range(3)]
+    for batches in epochs:
+        assert [len(b) for b in batches] == [4] * 6 + [1]
+        assert sorted(sum(batches, [])) == list(range(25))
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert epoch_ids(1) == epochs[1]  # deterministic
+    assert epoch_ids(1, drop_last=True) == epochs[1][:6]
+    monkeypatch.setenv(SHUFFLE_SEED_ENV, "8")
+    assert epoch_ids(1) != epochs[1]
+    monkeypatch.setenv("RANK", "0")  # another rank's order is its own (rank 0's shard has 3 rows)
+    assert sorted(sum(epoch_ids(0), [])) == [100, 101, 102]
+
+
+def test_a_shuffled_batch_is_a_copy_of_its_rows_and_matches_them(
+    shard_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SHUFFLE_SEED_ENV, "3")
+    mapped = mapped_ranges(shard_file(shard_dir, 1))
+    for batch in rank_batches(4, epoch=0):
+        assert not in_mapping(batch["features"], mapped)
+        ids = batch["id"]
+        assert batch["features"].tolist() == [[i * 10 + k for k in range(4)] for i in ids.tolist()]
+        assert batch["flag"].tolist() == [i % 3 == 0 for i in ids.tolist()]
+
+
+def test_without_a_seed_every_epoch_is_in_order(shard_dir: Path) -> None:
+    assert epoch_ids(0) == epoch_ids(2) == [list(range(s, min(s + 4, 25))) for s in range(0, 25, 4)]
+
+
+@pytest.mark.parametrize("epoch", [-1, 1.0, True, "0"])
+def test_an_epoch_that_is_not_an_int_from_0_is_refused(shard_dir: Path, epoch: Any) -> None:
+    with pytest.raises(ValueError, match=r"epoch must be an int >= 0 \(the loop's epoch number\), got"):
+        rank_batches(4, epoch=epoch)
+
+
+def test_the_task_seed_reaches_the_ranks_beside_their_data_directory() -> None:
+    assert data_environment("/d", 5) == {DATA_DIR_ENV: "/d", SHUFFLE_SEED_ENV: "5"}
+    assert data_environment("/d", 0) == {DATA_DIR_ENV: "/d", SHUFFLE_SEED_ENV: "0"}
+    assert data_environment("/d", None) == {DATA_DIR_ENV: "/d"}

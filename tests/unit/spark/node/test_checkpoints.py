@@ -112,7 +112,9 @@ def test_saving_what_the_load_would_refuse_fails_at_once_and_keeps_nothing(ckpt_
     with pytest.raises(CheckpointRefused, match=r"save_checkpoint\(step=2\).*RunConfig.*add_safe_globals"):
         save_checkpoint({"config": RunConfig(0.1)}, 2)
 
-    assert sorted(os.listdir(ckpt_dir)) == [step_dir(1, None)]  # nothing of step 2, no temp file
+    # Nothing of step 2, no temp file (step 1's data position beside it: resume_position).
+    assert sorted(os.listdir(ckpt_dir)) == ["positions", step_dir(1, None)]
+    assert os.listdir(ckpt_dir / "positions") == [step_dir(1, None)]
     assert sorted(os.listdir(ckpt_dir / step_dir(1, None))) == [MANIFEST, STATE]
     assert load_latest_checkpoint() == (1, {"lr": 0.1})
 

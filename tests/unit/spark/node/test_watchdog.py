@@ -163,3 +163,36 @@ def test_the_collectives_a_rank_issued_are_counted_from_its_process_group(tmp_pa
     )
     before, first, after = out.stdout.split()
     assert before == "None" and int(after) == int(first) + 2
+
+
+SHIPPED = """
+import sys
+sys.path.insert(0, "./torchdist_spark.zip")  # as spark-submit's --py-files puts it: a relative path
+from airflow_provider_torchdist.spark.node import watchdog
+rank_py = watchdog.__file__.replace("watchdog.py", "rank.py")
+assert rank_py.startswith("./torchdist_spark.zip/"), rank_py
+launcher = sys.argv[1]
+stack = [
+    (launcher, 374, "launch_agent"),  # a rank forked from torchrun's agent has the agent's frames
+    (rank_py, 139, "call_entry"),
+    ("/dags/train.py", 9, "train"),
+]
+print(watchdog.position(stack))
+"""
+
+
+def test_a_rank_of_the_shipped_zip_forked_from_torchruns_agent_is_not_in_its_agents_call(tmp_path):
+    """Hunt (elastic hang test): on a cluster the package is imported from ``./torchdist_spark.zip``,
+    so its code objects name relative paths; the agent's ``launch_agent`` frames under a forked rank
+    were taken for a collective it waits in, and a rank asleep in user code was no suspect."""
+    import subprocess
+    import sys
+
+    from airflow_provider_torchdist.submit.staging import _spark_zip
+
+    _spark_zip(tmp_path / "torchdist_spark.zip")
+    launcher = os.path.join(os.path.dirname(c10d.__file__), "launcher", "api.py")
+    out = subprocess.run(
+        [sys.executable, "-c", SHIPPED, launcher], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "('/dags/train.py:9 in train', None)"
