@@ -163,12 +163,15 @@ def dump_nccl_trace() -> str | None:
     if not prefix or "torch" not in sys.modules:
         return None
     try:
+        import torch._C._distributed_c10d as c10d
         import torch.distributed as dist
-        from torch._C._distributed_c10d import _dump_nccl_trace  # type: ignore[attr-defined]
 
         if not (dist.is_initialized() and dist.get_backend() == "nccl"):
             return None
-        data = _dump_nccl_trace()
+        # torch has no public call for an on-demand dump; torch 2.8+ names it _dump_fr_trace (the
+        # flight recorder outgrew NCCL), earlier ones _dump_nccl_trace.
+        dump = getattr(c10d, "_dump_fr_trace", None) or c10d._dump_nccl_trace
+        data = dump()
         return str(write_private_bytes(f"{prefix}{os.environ.get('RANK', '0')}", data))
     except Exception:  # an older torch, no NCCL: the stacks still go
         return None

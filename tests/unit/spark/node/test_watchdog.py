@@ -196,3 +196,12 @@ def test_a_rank_of_the_shipped_zip_forked_from_torchruns_agent_is_not_in_its_age
         [sys.executable, "-c", SHIPPED, launcher], cwd=tmp_path, capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "('/dags/train.py:9 in train', None)"
+
+
+def test_the_installed_torch_has_the_flight_recorder_dump_the_watchdog_calls() -> None:
+    """The dump on a hang goes through a private torch call whose name changed (torch 2.8 renamed
+    ``_dump_nccl_trace`` to ``_dump_fr_trace``): the one installed must have one of them, or GPU
+    hangs would quietly come without their NCCL trace. (The dump itself needs NCCL: a lent GPU.)"""
+    import torch._C._distributed_c10d as c10d
+
+    assert callable(getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None))
