@@ -35,7 +35,7 @@ from tests.cluster import leftover_network, start_cluster, stop_cluster  # noqa:
 from tests.integration.chaos import FAULTS, Bed, add_connection, one_run, table  # noqa: E402
 from tests.integration.deployment import dag_folder, running_deployment  # noqa: E402
 from tests.integration.postgres import start_postgres, stop_postgres  # noqa: E402
-from tests.integration.run_processes import mark_this_worker  # noqa: E402
+from tests.integration.run_processes import OWN_DIRECTORIES, mark_this_worker  # noqa: E402
 
 PREFIX = "tdcb"
 SUBNET = "10.231.96"
@@ -58,6 +58,9 @@ def soak_bed(work: Path) -> Iterator[Bed]:
     mark_this_worker()  # what the process scans keep to (tests/integration/run_processes.py)
     with staging_disk(work / "staging") as disk:
         os.environ["TORCHDIST_CHAOS_STAGING"] = str(disk)  # the deployment's DAG parser reads it
+        # The runs stage there, not under the deployment's home: their supervisors (retitled, with no
+        # readable environment) are known as this soak's by that directory in their command line.
+        OWN_DIRECTORIES.append(str(disk))
         cluster = start_cluster(workers=2, cores=1, memory="1g", netns=True, prefix=PREFIX, subnet=SUBNET)
         postgres = start_postgres()
         try:

@@ -256,6 +256,10 @@ ALLOWED_PRIVATE_ACCESS = {
     # The default process group's sequence number (torch has no public counter of collectives):
     # a rank whose step is one long blocking call still issues its collectives (watchdog.py).
     ("spark/node/watchdog.py", "dist.group.WORLD._get_sequence_number_for_group"),
+    # NCCL's flight recorder dumped on demand when a GPU run hangs (torch has no public call; it is
+    # what torchtitan calls): _dump_fr_trace since torch 2.8, _dump_nccl_trace before (watchdog.py).
+    ("spark/node/watchdog.py", "c10d._dump_fr_trace"),
+    ("spark/node/watchdog.py", "c10d._dump_nccl_trace"),
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -47,6 +48,21 @@ def write_replacing(path: str, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def copy_replacing(local: str, path: str) -> None:
+    """Copy the private local file ``local`` to a new private file beside ``path``, synced, then
+    renamed over ``path`` (a rename across filesystems, which ``os.replace`` cannot do)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "wb") as out, open(local, "rb") as source:
+            shutil.copyfileobj(source, out, CHUNK)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)

@@ -75,8 +75,10 @@ def save_sharded(
     manifest = new_manifest(step, metrics)
 
     def save(state: Any) -> str:
-        write_position(store, step, position)  # every rank's, before the commit that makes it count
-        committed = commit_sharded(store, manifest, state, group)
+        # Every rank's position, before the commit that makes it count; a failure fails all ranks.
+        committed = commit_sharded(
+            store, manifest, state, group, lambda: write_position(store, step, position)
+        )
         if rank() == 0:
             apply_retention(store, committed, keep)
         return store.uri_of(committed)

@@ -19,6 +19,7 @@ never on a command line or in Spark's environment.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -28,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
-from airflow_provider_torchdist.spark.node.checkpoint_files import CHUNK
+from airflow_provider_torchdist.spark.node.checkpoint_files import CHUNK, copy_replacing
 from airflow_provider_torchdist.spark.node.checkpoint_io import (
     HashingWriter,
     StoreObjects,
@@ -169,11 +170,10 @@ class CheckpointStore(StoreObjects):
             raise
 
     def staging_dir(self) -> str:
-        """A new private directory to write a checkpoint's files into before :meth:`place`: inside
-        a local store (placing is then a rename), in the temp dir for a remote one."""
-        if self.fs is None:
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
-        return tempfile.mkdtemp(prefix=".staging-", dir=self.root if self.fs is None else None)
+        """A new private directory in this host's temp dir to write a checkpoint's files into
+        before :meth:`place`. Never inside the store: DCP writes fixed names (``__0_0.distcp``)
+        following symlinks, and an executor of another host could plant one there."""
+        return tempfile.mkdtemp(prefix="torchdist-staging-")
 
     def begin_step(self, manifest: Manifest) -> None:
         """Make the step's prefix ready for :meth:`place` (a step written again is uncommitted)."""
@@ -184,8 +184,15 @@ class CheckpointStore(StoreObjects):
 
     def place(self, manifest: Manifest, file_name: str, local: str) -> None:
         """Put the finished local file ``local`` in the step's prefix as ``file_name`` (renamed
-        locally, uploaded remotely); the manifest that lists it is written after."""
-        self._put(local, self._join(step_dir(manifest.step, manifest.run), checked_file_name(file_name)))
+        locally, copied when the temp dir is another filesystem; uploaded remotely); the manifest
+        that lists it is written after."""
+        path = self._join(step_dir(manifest.step, manifest.run), checked_file_name(file_name))
+        try:
+            self._put(local, path)
+        except OSError as exc:
+            if self.fs is not None or exc.errno != errno.EXDEV:
+                raise
+            copy_replacing(local, path)
 
     def rewrite_manifest(self, manifest: Manifest) -> None:
         """Replace a committed checkpoint's manifest (to record that its run finished)."""

@@ -25,7 +25,16 @@ import pickle
 import re
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from airflow_provider_torchdist.spark.node.checkpoint_state import CheckpointRefused, load_state
 
@@ -37,7 +46,7 @@ METADATA = ".metadata"
 #: fetched for DCP to read (it would read a per-rank ``__<rank>.metadata`` with a full unpickle).
 SHARD_FILE = re.compile(r"^__\d{1,6}_\d{1,6}\.distcp$")
 #: The most of a ``.metadata`` that is read: one entry per tensor shard, some hundred bytes each.
-MAX_METADATA_BYTES = 256 * 1024 * 1024
+MAX_METADATA_BYTES = 64 * 1024 * 1024
 
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
@@ -102,11 +111,45 @@ def check_metadata(path: str, files: dict[str, int], where: str) -> Any:
             f"refused the sharded checkpoint {where}: its metadata is not DCP's ({exc}); nothing in it was run"
         ) from None
     storage = getattr(metadata, "storage_data", None)
-    if type(metadata).__name__ != "Metadata" or not isinstance(storage, dict):
+    described = getattr(metadata, "state_dict_metadata", None)
+    if (
+        not isinstance(metadata, Metadata)
+        or not isinstance(storage, dict)
+        or not isinstance(described, dict)
+        or not isinstance(metadata.storage_meta, StorageMeta | None)
+        or not all(_is_item(item) for item in described.values())
+    ):
+        # DCP's planner would fail on it with a bare KeyError or AttributeError, or misread it.
         raise CheckpointRefused(f"refused the sharded checkpoint {where}: its metadata is not DCP's")
     for entry in storage.values():
         _check_entry(entry, files, where)
     return metadata
+
+
+def _is_size(value: Any) -> bool:
+    return type(value) is torch.Size and all(n >= 0 for n in value)
+
+
+def _is_item(item: Any) -> bool:
+    """Whether ``item`` is one value's metadata as DCP writes it: bytes, or a tensor whose chunks
+    lie within it (each with its entry in the storage data, checked by the planner's lookup)."""
+    if type(item) is BytesStorageMetadata:
+        return True
+    if type(item) is not TensorStorageMetadata or not isinstance(item.properties, TensorProperties):
+        return False
+    size, chunks = item.size, item.chunks
+    return (
+        _is_size(size)
+        and isinstance(chunks, list)
+        and all(
+            type(c) is ChunkStorageMetadata
+            and _is_size(c.offsets)
+            and _is_size(c.sizes)
+            and len(c.offsets) == len(c.sizes) == len(size)
+            and all(o + n <= s for o, n, s in zip(c.offsets, c.sizes, size, strict=True))
+            for c in chunks
+        )
+    )
 
 
 def _check_entry(entry: Any, files: dict[str, int], where: str) -> None:

@@ -3,11 +3,12 @@ and one manifest commits them all.
 
 A state holding ``DTensor``s (FSDP2's ``fully_shard``, tensor parallelism, or
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` of either) is never gathered on one
-rank. Each rank has DCP write its shards to a private staging directory (inside a local store, so
-that placing them is a rename; in the temp dir for a remote one, then uploaded), hashes them, and
-places them in the step's prefix; the ranks then exchange what they placed and rank 0 writes the
-manifest (the commit) listing every rank's files and DCP's metadata (stored as ``dcp.metadata``:
-a checkpoint's files are never hidden). A rank that fails tells the others, so all raise together
+rank. Each rank has DCP write its shards to a private staging directory in its host's temp dir
+(never in the store, where another host's executor could plant a symlink at a name DCP writes),
+hashes them, and places them in the step's prefix (renamed, copied across filesystems, or
+uploaded); the ranks then exchange what they placed and rank 0 writes the manifest (the commit)
+listing every rank's files and DCP's metadata (stored as ``dcp.metadata``: a checkpoint's files
+are never hidden). A rank that fails tells the others, so all raise together
 and nothing is committed.
 
 A load fetches the files (each checked against the manifest), checks DCP's metadata before DCP
@@ -27,7 +28,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -114,9 +115,17 @@ def check_plain_values(state: Any, step: int) -> None:
     dump_state(values, step, io.BytesIO())
 
 
-def commit_sharded(store: CheckpointStore, manifest: Manifest, state: Any, group: Any) -> Manifest:
+def commit_sharded(
+    store: CheckpointStore,
+    manifest: Manifest,
+    state: Any,
+    group: Any,
+    write_first: Callable[[], None] | None = None,
+) -> Manifest:
     """Write this rank's shards of ``state`` and, with the other ranks, commit the checkpoint of
-    ``manifest``'s step; every rank of ``group`` calls it. Returns the committed manifest."""
+    ``manifest``'s step; every rank of ``group`` calls it. ``write_first`` (this rank's data
+    position) runs before the commit, its failure told to every rank as a shard's would be.
+    Returns the committed manifest."""
     import torch.distributed.checkpoint as dcp
 
     rank = dist.get_rank(group) if group is not None else 0
@@ -133,6 +142,8 @@ def commit_sharded(store: CheckpointStore, manifest: Manifest, state: Any, group
         }
         report: dict[str, Any] = {"files": {}, "error": None}
         try:
+            if write_first is not None:  # a rank raising alone would leave the others in DCP's collectives
+                write_first()
             for name, path in files.items():
                 with open(path, "rb") as source:
                     report["files"][checked_file_name(name)] = digest(source)
@@ -191,7 +202,13 @@ def load_sharded(
         os.replace(os.path.join(local, SHARDED_METADATA), metadata_path)
         sizes = {n: int(r["bytes"]) for n, r in manifest.files.items() if n != SHARDED_METADATA}
         metadata = check_metadata(metadata_path, sizes, where)  # before DCP unpickles it, in full
-        store.fetch(manifest, local, files_to_read(state, metadata))
+        try:
+            needed = files_to_read(state, metadata)
+        except KeyError as exc:  # a value's chunk with no entry saying where its bytes are
+            raise CheckpointRefused(
+                f"refused the sharded checkpoint {where}: its metadata says nothing of where {exc} is stored"
+            ) from None
+        store.fetch(manifest, local, needed)
         try:
             dcp.load(
                 state,

@@ -1,8 +1,8 @@
 """Sharded checkpoints (torch's DCP through the store) and asynchronous saves, in one process.
 
-Real DCP writes and reads here (without a process group: one rank); the multi-rank paths (FSDP2,
-resharding to another world size) run under torchrun in ``test_sharded_checkpoint_ranks.py`` and
-on the netns cluster (``tests/integration/test_worker_loss.py``). DCP unpickles its metadata and
+Real DCP writes and reads here (without a process group: one rank; two gloo processes where the
+ranks must fail together); FSDP2 and resharding to another world size run on the netns cluster
+(``tests/integration/test_worker_loss.py``) and in the example DAG (``dags/fsdp_training.py``). DCP unpickles its metadata and
 its non-tensor values in full, and every executor can write the store, so the checks before DCP
 reads are tested the way an attacker would plant a checkpoint: files and a manifest that match.
 """
@@ -14,6 +14,7 @@ import hashlib
 import io
 import os
 import pickle
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -211,3 +212,120 @@ def test_saves_that_reuse_the_staging_buffers_each_commit_their_own_state(
         else:
             loaded = torch.load(io.BytesIO(store.read_state(manifest)), weights_only=True)
         assert torch.equal(loaded["model"]["w"], torch.full((64, 8), float(manifest.step))), manifest.step
+
+
+def test_a_link_planted_where_dcp_writes_in_the_store_is_never_written_through(
+    ckpt_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An executor of another host that shares a local store sees a rank's staging directory appear
+    # and plants a symlink at the name DCP writes (here, it wins that race every time). It can
+    # reach the store only: a staging directory elsewhere is on the rank's own host.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"someone else's file")
+    made = CheckpointStore.staging_dir
+
+    def raced(store: CheckpointStore) -> str:
+        staging = made(store)
+        if Path(staging).resolve().is_relative_to(ckpt_dir.resolve()):
+            os.symlink(victim, os.path.join(staging, "__0_0.distcp"))
+        return staging
+
+    monkeypatch.setattr(CheckpointStore, "staging_dir", raced)
+    save_checkpoint(state(1.0), 5, sharded=True)
+    assert victim.read_bytes() == b"someone else's file"
+    step, loaded = load_latest_checkpoint(state=state(0.0))
+    assert step == 5 and torch.equal(loaded["model"]["w"], torch.ones(64, 8))
+
+
+def test_shards_staged_on_another_filesystem_are_copied_into_place(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(ckpt_dir.parent).st_dev:
+        pytest.skip("needs a temp dir on another filesystem than the store")
+    with tempfile.TemporaryDirectory(dir=shm) as other:
+        monkeypatch.setattr(tempfile, "tempdir", other)  # the staging dir's filesystem: not the store's
+        save_checkpoint(state(2.0), 5, sharded=True)
+        assert os.listdir(other) == []  # staging removed
+        step, loaded = load_latest_checkpoint(state=state(0.0))
+    assert step == 5 and torch.equal(loaded["model"]["w"], torch.full((64, 8), 2.0))
+
+
+def _no_storage(m: object) -> None:
+    m.storage_data = {}  # type: ignore[attr-defined]
+
+
+def _chunk_past_the_end(m: object) -> None:
+    m.state_dict_metadata["model.w"].chunks[0].sizes = torch.Size([2**62, 8])  # type: ignore[attr-defined]
+
+
+def _odd_value(m: object) -> None:
+    m.state_dict_metadata["model.w"] = Path("/etc/passwd")  # type: ignore[attr-defined]
+
+
+def _odd_storage_meta(m: object) -> None:
+    m.storage_meta = torch.Size([1])  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("edit", [_no_storage, _chunk_past_the_end, _odd_value, _odd_storage_meta])
+def test_metadata_of_allowed_classes_put_together_oddly_is_refused_by_name(ckpt_dir: Path, edit) -> None:
+    # Only DCP's classes, so the unpickler takes it; DCP's planner would fail on it with a bare
+    # KeyError or AttributeError (or read a chunk that does not fit its tensor).
+    save_checkpoint(state(1.0), 5, sharded=True)
+    metadata = pickle.loads((ckpt_dir / step_dir(5, None) / SHARDED_METADATA).read_bytes())  # the test's own
+    edit(metadata)
+    rewrite(ckpt_dir, 5, SHARDED_METADATA, pickle.dumps(metadata))
+    with pytest.raises(
+        CheckpointRefused, match=r"refused the sharded checkpoint .*step-000000005-local: its metadata"
+    ):
+        load_latest_checkpoint(state=state(0.0))
+
+
+RANKS = """
+import datetime, os, socket, sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def rank(r, port, directory, out):
+    os.environ.update(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ["TORCHDIST_CHECKPOINT_DIR"] = directory
+    dist.init_process_group("gloo", rank=r, world_size=2, timeout=datetime.timedelta(seconds=60))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from airflow_provider_torchdist.spark.node.checkpoints import save_checkpoint
+    mesh = init_device_mesh("cpu", (2,))
+    try:
+        save_checkpoint({"w": distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)])}, 5)
+        out.put((r, "saved"))
+    except BaseException as exc:
+        out.put((r, f"{type(exc).__name__}: {exc}"))
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    queue = mp.get_context("fork").SimpleQueue()
+    mp.start_processes(rank, args=(port, sys.argv[1], queue), nprocs=2, start_method="fork")
+    for r, outcome in sorted(queue.get() for _ in range(2)):
+        print(r, outcome)
+"""
+
+
+def test_a_data_position_one_rank_cannot_write_fails_every_rank_of_a_sharded_save(tmp_path: Path) -> None:
+    # What anyone who can write the store can plant: a directory at rank 1's position file. Rank 1
+    # alone fails to write it; raising there alone would leave rank 0 in DCP's collectives until
+    # rank 1's process is gone (or the group's timeout), then fail with gloo's "closed by peer".
+    import subprocess
+    import sys
+
+    directory = tmp_path / "ckpt"
+    (directory / "positions" / step_dir(5, None) / "rank-1.json").mkdir(parents=True)
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    done = subprocess.run(
+        [sys.executable, str(script), str(directory)], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, done.stdout
+    for line in lines:
+        assert "failed, nothing committed: rank 1: IsADirectoryError" in line, line
+    assert CheckpointStore(str(directory)).committed() == []
