@@ -70,12 +70,13 @@ def test_bad_train_data_fails_before_any_rank_starts(
 
 @pytest.fixture
 def small_tmp(tmp_path: Path) -> Iterator[Path]:
-    """A 256 KiB tmpfs: the temp directory of the executors' Python workers in the next test."""
+    """A 1 MiB tmpfs: the temp directory of the executors' Python workers in the next test. It holds
+    the run's staging files (the package's zip alone is over 200 KiB) and its outcome, not the data."""
     if os.geteuid() != 0:
         pytest.fail("the full-disk test needs root to mount a tmpfs (CI runs as root)")
     mount = tmp_path / "small"
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
     try:
         yield mount
     finally:
@@ -83,7 +84,7 @@ def small_tmp(tmp_path: Path) -> Iterator[Path]:
 
 
 def three_mb_of_parquet(tmp_path: Path) -> Path:
-    """About 3 MB as Arrow: more than the 256 KiB tmpfs of the full-disk tests."""
+    """About 3 MB as Arrow: more than the 1 MiB tmpfs of the full-disk tests."""
     data = tmp_path / "data"
     data.mkdir()
     ids = list(range(200_000))
