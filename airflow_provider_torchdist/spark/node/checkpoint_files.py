@@ -14,7 +14,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
@@ -44,25 +44,25 @@ def make_private_dir(path: str) -> None:
 
 def write_replacing(path: str, data: bytes) -> None:
     """Write ``data`` to a new private file beside ``path``, synced, then renamed over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    _replacing(path, lambda out: out.write(data))
 
 
 def copy_replacing(local: str, path: str) -> None:
     """Copy the private local file ``local`` to a new private file beside ``path``, synced, then
     renamed over ``path`` (a rename across filesystems, which ``os.replace`` cannot do)."""
+
+    def copy(out: BinaryIO) -> None:
+        with open(local, "rb") as source:
+            shutil.copyfileobj(source, out, CHUNK)
+
+    _replacing(path, copy)
+
+
+def _replacing(path: str, write: Callable[[BinaryIO], object]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path))
     try:
-        with os.fdopen(fd, "wb") as out, open(local, "rb") as source:
-            shutil.copyfileobj(source, out, CHUNK)
+        with os.fdopen(fd, "wb") as out:
+            write(out)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
