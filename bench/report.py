@@ -819,8 +819,8 @@ def _chaos(sec: dict[str, Any]) -> list[str]:
         "twice beyond the one interrupted, that nothing of the run is left 30 s after it ended (by PID), and "
         "that no staging directory is left. The `frozen` fault SIGSTOPs a rank (its DAG has `hang_timeout=30`): "
         "the run must be found hung, stopped with the frozen rank killed, and its retry resume. "
-        "The short form (one run of each fault but the disk) is "
-        "`tests/integration/test_chaos.py`, in CI.",
+        "The short form (one run of each fault but the disk and the frozen rank, which "
+        "`tests/integration/test_hangs.py` proves on its own run) is `tests/integration/test_chaos.py`, in CI.",
         "",
         sec["table"],
     ]

@@ -17,7 +17,14 @@ from typing import Any
 
 import cloudpickle
 
-from airflow_provider_torchdist.spark.node import async_saves, progress, rank_context, script_output, stop
+from airflow_provider_torchdist.spark.node import (
+    async_saves,
+    group_keeper,
+    progress,
+    rank_context,
+    script_output,
+    stop,
+)
 from airflow_provider_torchdist.spark.node.channel_client import ChannelClient
 from airflow_provider_torchdist.spark.node.output_capture import OutputCapture
 from airflow_provider_torchdist.spark.node.rank_output import send_output
@@ -162,6 +169,7 @@ def call_work(spec: JobSpec, entry_path: str) -> Any:
     """:func:`call_entry`, with a script's or module's ``sys.exit(0)`` taken as its normal end (as
     its last line would be): rank 0 still hands on what it passed to ``set_output``."""
     script_output.begin(spec.kind)
+    stop_keeping = group_keeper.start()  # group_keeper.py: torch can deadlock as the work returns
     try:
         try:
             value = call_entry(spec, entry_path)
@@ -175,6 +183,7 @@ def call_work(spec: JobSpec, entry_path: str) -> Any:
         return value
     finally:
         progress.work_done.set()  # for the hang watchdog: what follows is the runtime's, not a hang
+        stop_keeping()
 
 
 def connect_rank(

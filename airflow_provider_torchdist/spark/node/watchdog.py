@@ -134,7 +134,7 @@ def format_stacks(frames: dict[int, FrameType], main_ident: int | None) -> str:
         )
     if runtime:
         parts.append(
-            f"({runtime} more thread(s) of the provider's own: output capture, this watchdog, the channel)"
+            f"({runtime} more thread(s) of the provider's own: output capture, this watchdog, the channel, the group keeper)"
         )
     text = "\n".join(parts)
     if len(text) > MAX_STACKS_CHARS:
