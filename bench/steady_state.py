@@ -10,12 +10,14 @@ rank's steps, two Parquet files) is written once. Then, interleaved after an unc
 - **operator path**: ``workloads/lm_hook.py``: ``TorchDistributorHook(train_data="SELECT tokens
   FROM parquet.`DIR`")`` with ``start_run`` + ``follow`` (the detached supervisor and its lifeline,
   as the operator runs it), local_mode=False on the embedded master, each rank reading its shard
-  with ``rank_batches``.
+  with ``rank_batches``; the hang watchdog on (the default ``hang_timeout``);
+- **operator path, watchdog off**: the same with ``hang_timeout=None``.
 
-Both train the same model for ``--steps`` steps (``workloads/lm_train.py``). Reported per variant:
+All train the same model for ``--steps`` steps (``workloads/lm_train.py``). Reported per variant:
 tokens per second after the first 10 steps (all ranks together) and the time from the launcher's
 fork to the end of rank 0's first step. The goal: the operator path at >= 0.97x raw torchrun's
-tokens/s. Results go to the ``steady_state`` section of ``bench/results/latest.json``.
+tokens/s, watchdog on; and the watchdog's own cost, on / off, as the median of each round's paired
+ratio (a machine whose load drifts between rounds moves a paired ratio less). Results go to the ``steady_state`` section of ``bench/results/latest.json``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ SEQ = 128
 VOCAB = 4096
 #: The operator path's tokens/s against raw torchrun's (the issue's goal).
 GOAL = 0.97
+#: The operator path's tokens/s with the hang watchdog on against off.
+WATCHDOG_GOAL = 0.99
 
 
 def write_tokens(directory: Path, rows: int, seed: int = 0) -> None:
@@ -61,6 +65,17 @@ def write_tokens(directory: Path, rows: int, seed: int = 0) -> None:
         pq.write_table(pa.table({"tokens": column}), directory / f"part-{part}.parquet")
 
 
+def paired_ratios(samples: dict[str, list[dict[str, Any]]], top: str, bottom: str) -> dict[str, Any]:
+    """``top`` / ``bottom`` tokens/s in each round both ran: the rounds' ratios and their median."""
+    by_round = {s["round"]: s["tokens_per_s"] for s in samples.get(bottom, [])}
+    ratios = [
+        round(s["tokens_per_s"] / by_round[s["round"]], 3)
+        for s in samples.get(top, [])
+        if by_round.get(s["round"])
+    ]
+    return {"rounds": ratios, "median": median(ratios)}
+
+
 def variants(data: Path, steps: int, batch: int) -> dict[str, list[str]]:
     args = ["--data", str(data), "--steps", str(steps), "--batch", str(batch)]
     return {
@@ -72,6 +87,7 @@ def variants(data: Path, steps: int, batch: int) -> dict[str, list[str]]:
             *args,
         ],
         "operator_path": [PYTHON, str(WORKLOADS / "lm_hook.py"), *args],
+        "operator_path_watchdog_off": [PYTHON, str(WORKLOADS / "lm_hook.py"), *args, "--hang-timeout", "0"],
     }
 
 
@@ -136,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     ours, raw = stats["operator_path"]["median_tokens_per_s"], stats["torchrun"]["median_tokens_per_s"]
     ratio = round(ours / raw, 3) if ours and raw else None
+    watchdog = paired_ratios(samples, "operator_path", "operator_path_watchdog_off")
+    log(f"watchdog on / off, paired per round: {watchdog}")
     for name, st in stats.items():
         log(
             f"{name:14s} {st['median_tokens_per_s']} tokens/s, first step {st['median_first_step_s']} s (n={st['n']})"
@@ -155,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 "stats": stats,
                 "ratio_tokens_per_s": ratio,
                 "goal": GOAL,
+                "watchdog_on_off": {**watchdog, "goal": WATCHDOG_GOAL},
                 "samples": samples,
             },
         )

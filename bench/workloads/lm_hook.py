@@ -2,7 +2,8 @@
 
 ``TorchDistributorHook(train_data="SELECT tokens FROM parquet.`DIR`")``, ``start_run`` + ``follow``
 (a detached supervisor owned over the lifeline, as the operator runs it), local_mode=False on the
-embedded master. Prints one ``RESULT {json}`` line with rank 0's figures.
+embedded master; ``--hang-timeout 0`` turns the hang watchdog off. Prints one ``RESULT {json}``
+line with rank 0's figures.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from airflow_provider_torchdist.spark.wire.output_store import read_output  # no
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
+    # --hang-timeout 0: the hang watchdog off (the default: the hook's default hang_timeout, on)
+    watchdog = {} if args.hang_timeout is None else {"hang_timeout": args.hang_timeout or None}
     hook = TorchDistributorHook(
-        num_processes=2, local_mode=False, train_data=f"SELECT tokens FROM parquet.`{args.data}`"
+        num_processes=2, local_mode=False, train_data=f"SELECT tokens FROM parquet.`{args.data}`", **watchdog
     )
     record = hook.start_run(train_from_shard, [args.steps, args.batch], durable=False)
     value = hook.follow(record, read_output)

@@ -116,11 +116,15 @@ def _local_shard(data: str, batch: int) -> Iterator[Any]:
 
 
 def parse_args(description: str) -> argparse.Namespace:
-    """Both entries' arguments: the token set's folder, the steps, the batch size."""
+    """Both entries' arguments: the token set's folder, the steps, the batch size (and the hook's
+    ``hang_timeout``)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--data", required=True)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument(
+        "--hang-timeout", type=float, default=None, help="lm_hook.py's only: 0 turns the hang watchdog off"
+    )
     return parser.parse_args()
 
 
