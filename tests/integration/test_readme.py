@@ -10,6 +10,7 @@ block must print rank 0's value as the README documents it.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.integration.deployment import (
@@ -28,6 +30,7 @@ from tests.integration.deployment import (
     start_deployment,
     stop_deployment,
 )
+from tests.integration.run_processes import is_supervisor
 
 pytestmark = pytest.mark.integration
 
@@ -56,6 +59,21 @@ def run_block(block: str, port: int, password: str, env: dict[str, str]) -> str:
         f"README block failed ({done.returncode}):\n{script}\n{done.stdout}\n{done.stderr}"
     )
     return done.stdout
+
+
+def wait_supervisors_gone(home: Path, timeout: float) -> None:
+    """Until no run supervisor staging under ``home`` is left, or ``timeout`` seconds (then the
+    deployment's stop finds it, forced, and the test fails)."""
+
+    def left() -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if is_supervisor(proc) and f"{home}{os.sep}" in " ".join(proc.cmdline()):
+                    found.append(proc)
+        return found
+
+    psutil.wait_procs(left(), timeout=timeout)
 
 
 def test_the_readme_rest_quick_start_runs_as_written(tmp_path: Path, no_leftovers: None) -> None:
@@ -104,6 +122,10 @@ def test_the_readme_rest_quick_start_runs_as_written(tmp_path: Path, no_leftover
         assert [p["loss"] for p in answer["metrics"]] == [r["loss"] for r in history if r["rank"] == 0]
         assert answer["progress"]["fraction"] == 1.0 and answer["world_size"] == 2, answer
     finally:
+        # The run's supervisor ends by itself once its Spark application has: seconds after the task
+        # succeeded, more on a loaded machine (CI caught one still ending). The clean stop below is
+        # the launcher's, of its components; a supervisor gets the 30 s any test gives it.
+        wait_supervisors_gone(home, timeout=30)
         forced = stop_deployment(launcher, home)
     assert not processes_of(home, launcher.pid)
     assert not forced, f"processes outlived the launcher's clean stop: {forced}"
