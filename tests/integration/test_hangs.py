@@ -6,8 +6,6 @@ except for one distributed case, with the shortest ``hang_timeout`` allowed."""
 from __future__ import annotations
 
 import os
-import pickle
-import re
 import subprocess
 import sys
 import time
@@ -109,16 +107,6 @@ def test_a_mismatched_collective_is_named_by_what_each_rank_waits_in(tmp_path, c
     error, log, _ = _fail_hung(tmp_path, "mismatch", capfd)
     assert "every rank waits in a collective (rank 0 in all_reduce, rank 1 in broadcast)" in str(error)
     assert "hang: [rank 1 @ 127.0.0.1] waits in a collective (torch.distributed broadcast)" in log
-    # Each rank's flight recorder (gloo's, on a CPU) dumped and named: its last collective is the
-    # one it waits in, the step's 5 all_reduces before it.
-    for rank, waits_in in ((0, "all_reduce"), (1, "broadcast")):
-        named = re.search(
-            rf"\[rank {rank} @ 127.0.0.1\] dumped torch's flight recorder \(its last collectives\) to (\S+)",
-            log,
-        )
-        assert named, log
-        entries = pickle.loads(Path(named[1]).read_bytes())["entries"]  # the test's own run's file
-        assert [e["profiling_name"] for e in entries] == ["gloo:all_reduce"] * 5 + [f"gloo:{waits_in}"]
 
 
 def test_a_frozen_rank_is_named_silent_and_killed(tmp_path, capfd):

@@ -167,10 +167,8 @@ class HangWatch:
                 self._say(f"stacks of {state.prefix}:")
                 for line in state.stacks.text.splitlines():
                     self._say(f"  {line}")
-                if state.stacks.fr_trace:
-                    self._say(
-                        f"{state.prefix} dumped torch's flight recorder (its last collectives) to {state.stacks.fr_trace}"
-                    )
+                if state.stacks.nccl_trace:
+                    self._say(f"{state.prefix} dumped NCCL's flight recorder to {state.stacks.nccl_trace}")
         for state in verdict.ranks:
             self._say(f"hang: {verdict.summary(state)}")
         self._say(f"hang: {verdict.suspect_line()}")

@@ -30,7 +30,7 @@ from airflow_provider_torchdist.spark.node.rank import (
 from airflow_provider_torchdist.spark.node.rendezvous import MONITOR_INTERVAL_S
 from airflow_provider_torchdist.spark.node.rendezvous import register as register_rendezvous
 from airflow_provider_torchdist.spark.node.signed_rendezvous import register as register_signed_rendezvous
-from airflow_provider_torchdist.spark.node.watchdog import drop_unused_trace_dir, flight_recorder
+from airflow_provider_torchdist.spark.node.watchdog import nccl_flight_recorder
 from airflow_provider_torchdist.spark.wire.events import emit
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
 from airflow_provider_torchdist.spark.wire.outcome import RankFailure
@@ -168,7 +168,7 @@ def rank_environment(spec: JobSpec, host: str, nproc: int, task_cpus: int | None
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if spec.debug:
         env.update(DEBUG_ENV)
-    env.update(flight_recorder(spec.use_gpu, spec.hang_timeout))  # docs/hangs.md
+    env.update(nccl_flight_recorder(spec.use_gpu, spec.hang_timeout))  # docs/hangs.md
     env.update(spec.rank_env)
     return env
 
@@ -255,11 +255,12 @@ def launch_node(
 ) -> list[RankFailure]:
     """Run this node's ranks to the end; return their failures (empty when all succeeded).
 
-    ``master`` is node 0's rendezvous address in distributed mode, None in local mode; ``task_cpus`` the
-    barrier task's ``spark.task.cpus`` (the ranks share them); ``output_dir`` the driver's output directory
-    when this node runs on the driver (rank 0 writes its value there); ``node_key`` the key the driver gave
-    this node, with which its ranks prove who they are; ``store`` the driver's rendezvous store in an elastic
-    run (``master`` is then None; the caller gave :func:`.signed_rendezvous.use_key` the run's elastic key).
+    ``master`` is node 0's rendezvous address in distributed mode, None in local mode;
+    ``task_cpus`` the barrier task's ``spark.task.cpus`` (the ranks share them); ``output_dir`` the
+    driver's output directory when this node runs on the driver (rank 0 writes its value there);
+    ``node_key`` the key the driver gave this node, with which its ranks prove who they are;
+    ``store`` the driver's rendezvous store in an elastic run (``master`` is then None; the caller
+    gave :func:`.signed_rendezvous.use_key` the run's elastic key).
     """
     emit("agent_start", node=node_rank)
     nproc = spec.nproc_per_node if master is not None or store is not None else spec.num_processes
@@ -296,5 +297,4 @@ def launch_node(
         for sig, handler in saved.items():
             signal.signal(sig, handler)
         shutil.rmtree(log_dir, ignore_errors=True)
-        drop_unused_trace_dir()  # kept where a hung rank dumped its flight recorder
         emit("agent_end", node=node_rank)

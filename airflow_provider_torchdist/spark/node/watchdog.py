@@ -42,15 +42,12 @@ from airflow_provider_torchdist.spark.wire.watchdog_messages import (
 SAMPLE_EVERY_S = 0.5
 #: How often a rank sends its progress (a message of under 200 bytes).
 PROGRESS_EVERY_S = 2.0
-#: Where ranks dump torch's flight recorder (their last collectives; ``TORCH_FR_DUMP_TEMP_FILE``, set by
-#: the launcher); the rank number is appended, as torch does.
-TRACE_ENV = "TORCH_FR_DUMP_TEMP_FILE"
-#: NCCL's name for it, where NCCL's own dump on its timeout goes (GPU runs).
+#: Where GPU runs' ranks dump NCCL's flight recorder (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, set by the
+#: launcher); the rank number is appended, as torch does.
 NCCL_TRACE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 #: The node's private directory of those dumps: kept after the run, removed by the next one on that
 #: host once this agent is gone (:func:`~airflow_provider_torchdist.spark.wire.private_files.private_directory`).
-TRACE_DIR_PREFIX = "torchdist-fr-trace-"
-TRACE_ENTRIES = "2000"  # what the flight recorder keeps per process group: its last collectives
+NCCL_TRACE_DIR_PREFIX = "torchdist-nccl-trace-"
 
 # This package and rank.py as code objects name them: the path they were imported from (relative
 # when spark-submit ships the package as ``--py-files``: ``./torchdist_spark.zip/...``), and that
@@ -145,54 +142,38 @@ def format_stacks(frames: dict[int, FrameType], main_ident: int | None) -> str:
     return text
 
 
-def flight_recorder(use_gpu: bool, hang_timeout: float | None) -> dict[str, str]:
-    """The environment that turns torch's flight recorder on for a run's ranks (with the hang
-    watchdog on): a buffer of each process group's last collectives (gloo and NCCL alike), where
-    dumps go, and on a GPU NCCL's own dump when its timeout fires. What the cluster set already
-    stays."""
-    if not hang_timeout:
+def nccl_flight_recorder(use_gpu: bool, hang_timeout: float | None) -> dict[str, str]:
+    """The environment that turns NCCL's flight recorder on for a GPU run's ranks (with the hang
+    watchdog on): a trace buffer, a dump when NCCL's own timeout fires, and where dumps go. What the
+    cluster set already stays."""
+    if not (use_gpu and hang_timeout):
         return {}
-    prefix = os.path.join(private_directory(TRACE_DIR_PREFIX), "fr_trace_rank_")
-    env = {"TORCH_FR_BUFFER_SIZE": TRACE_ENTRIES, TRACE_ENV: prefix}
-    if use_gpu:
-        env.update(
-            {
-                "TORCH_NCCL_TRACE_BUFFER_SIZE": TRACE_ENTRIES,
-                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                NCCL_TRACE_ENV: prefix,
-            }
-        )
+    env = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        NCCL_TRACE_ENV: os.path.join(private_directory(NCCL_TRACE_DIR_PREFIX), "nccl_trace_rank_"),
+    }
     return {name: value for name, value in env.items() if name not in os.environ}
 
 
-def drop_unused_trace_dir() -> None:
-    """Remove this node's directory of flight recorder dumps when no rank dumped into it."""
-    directory = os.path.dirname(os.environ.get(TRACE_ENV, ""))
-    if os.path.basename(directory).startswith(TRACE_DIR_PREFIX):
-        try:
-            os.rmdir(directory)  # only an empty one: a run that never hung leaves nothing behind
-        except OSError:
-            pass
-
-
-def dump_flight_recorder() -> str | None:
-    """Dump torch's flight recorder where :data:`TRACE_ENV` (or NCCL's name for it) says; the path,
-    or None when there is nothing to dump (no process group, the recorder off)."""
-    prefix = os.environ.get(TRACE_ENV) or os.environ.get(NCCL_TRACE_ENV)
+def dump_nccl_trace() -> str | None:
+    """Dump NCCL's flight recorder where :data:`NCCL_TRACE_ENV` says (GPU runs using NCCL); the
+    path, or None when there is nothing to dump."""
+    prefix = os.environ.get(NCCL_TRACE_ENV)
     if not prefix or "torch" not in sys.modules:
         return None
     try:
         import torch._C._distributed_c10d as c10d
         import torch.distributed as dist
 
-        if not dist.is_initialized():
+        if not (dist.is_initialized() and dist.get_backend() == "nccl"):
             return None
         # torch has no public call for an on-demand dump; torch 2.8+ names it _dump_fr_trace (the
-        # flight recorder outgrew NCCL: gloo records too), earlier ones _dump_nccl_trace.
+        # flight recorder outgrew NCCL), earlier ones _dump_nccl_trace.
         dump = getattr(c10d, "_dump_fr_trace", None) or c10d._dump_nccl_trace
         data = dump()
         return str(write_private_bytes(f"{prefix}{os.environ.get('RANK', '0')}", data))
-    except Exception:  # an older torch, a group being torn down: the stacks still go
+    except Exception:  # an older torch, no NCCL: the stacks still go
         return None
 
 
@@ -286,7 +267,7 @@ class RankWatchdog:
         """The answer to the driver's request for stacks: every thread's, and where the main one is."""
         frames = sys._current_frames()
         where, waits_in = position(frames_of(frames.get(self._main) if self._main else None))
-        return Stacks(format_stacks(frames, self._main), where, waits_in, dump_flight_recorder())
+        return Stacks(format_stacks(frames, self._main), where, waits_in, dump_nccl_trace())
 
     def _run(self) -> None:
         sent = float("-inf")

@@ -98,23 +98,23 @@ class StackRequest(Message):
 @dataclass(frozen=True)
 class Stacks(Message):
     """A rank's answer to a :class:`StackRequest`: every thread's stack, formatted (``text``), and
-    where its main thread is (``where``, ``waits_in`` as in :class:`Progress`). ``fr_trace``:
-    where torch's flight recorder (its last collectives) was dumped on this rank's host, else None."""
+    where its main thread is (``where``, ``waits_in`` as in :class:`Progress`). ``nccl_trace``:
+    where NCCL's flight recorder was dumped on this rank's host (GPU runs), else None."""
 
     KIND = "stacks"
     SCHEMA = (
         ("text", "t", _STR, False),
         ("where", "w", _STR, False),
         ("waits_in", "in", _STR, True),
-        ("fr_trace", "fr", _STR, True),
+        ("nccl_trace", "nccl", _STR, True),
     )
     text: str
     where: str
     waits_in: str | None = None
-    fr_trace: str | None = None
+    nccl_trace: str | None = None
 
     def check(self) -> None:
         _check_text(self.KIND, "text", self.text, MAX_STACKS_CHARS)
         _check_text(self.KIND, "where", self.where, WHERE_CHARS)
         _check_text(self.KIND, "waits_in", self.waits_in, WAITS_IN_CHARS)
-        _check_text(self.KIND, "fr_trace", self.fr_trace, WHERE_CHARS)
+        _check_text(self.KIND, "nccl_trace", self.nccl_trace, WHERE_CHARS)

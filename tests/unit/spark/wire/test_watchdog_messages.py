@@ -23,7 +23,7 @@ from airflow_provider_torchdist.spark.wire.watchdog_messages import (
         Progress(9, 4, 0.5, "/dags/train.py:12 in train", None, 7, 30, samples=40, busy=13),
         StackRequest(),
         Stacks("main thread (1), most recent call last:\n  ...", "/dags/train.py:12 in train", "broadcast"),
-        Stacks("x" * MAX_STACKS_CHARS, "w", None, "/tmp/torchdist-fr-trace-1-x/fr_trace_rank_0"),
+        Stacks("x" * MAX_STACKS_CHARS, "w", None, "/tmp/torchdist-nccl-trace-1-x/nccl_trace_rank_0"),
     ],
     ids=lambda m: type(m).__name__,
 )
@@ -74,7 +74,7 @@ def test_a_progress_message_is_a_few_bytes():
             b'{"k": "stacks", "w": "x", "t": "' + b"x" * (MAX_STACKS_CHARS + 1) + b'"}',
             f"text of {MAX_STACKS_CHARS + 1} characters",
         ),
-        (b'{"k": "stacks", "w": "x", "t": "", "fr": 3}', "field 'fr' must be str or null, got int"),
+        (b'{"k": "stacks", "w": "x", "t": "", "nccl": 3}', "field 'nccl' must be str or null, got int"),
     ],
 )
 def test_malformed_watchdog_messages_raise_a_clear_protocol_error(raw, message):
