@@ -13,8 +13,9 @@ dead process of this user:
   it is never touched.
 - ``torchdist-agent-<pid>-<random>`` directories whose agent process ``pid`` is dead, and
   ``torchdist-data-<pid>-<random>`` ones (a node's ``train_data`` shards) and
-  ``torchdist-connect-<pid>-<random>`` ones (a Connect node's payload) whose task's is. On the
-  executors' hosts, the next node's process removes them (``spark.wire.private_files``).
+  ``torchdist-connect-<pid>-<random>`` ones (a Connect node's payload) whose task's is, and
+  ``torchdist-staging-<pid>-<random>`` and ``torchdist-sharded-<pid>-<random>`` ones (a rank's
+  sharded checkpoint, saved or restored) whose rank's is. On the executors' hosts, the next node's process removes them (``spark.wire.private_files``).
 
 Only real directories (no symlinks) owned by this user are considered. Example::
 
@@ -55,8 +56,9 @@ STALE_AFTER_S = 600.0
 STAGING_PREFIX = "torchdist-"
 AGENT_PREFIX = AGENT_DIR_PREFIX
 #: The private directories of a node's processes (``private_files.private_directory``): a torchrun
-#: agent's logs, a node's ``train_data`` shards, a Connect node's payload; named with their PID.
-_AGENT_DIR = re.compile(r"torchdist-(?:agent|data|connect)-(\d+)-.+")
+#: agent's logs, a node's ``train_data`` shards, a Connect node's payload, a rank's sharded
+#: checkpoint staged or fetched; named with their PID.
+_AGENT_DIR = re.compile(r"torchdist-(?:agent|data|connect|staging|sharded)-(\d+)-.+")
 
 
 def sweep_stale(

@@ -2,7 +2,7 @@
 
 Each core test runs on the embedded spark-submit path (``local[2]``, local mode and distributed)
 and over Spark Connect (the session's ``local[2]`` Connect server, distributed; local mode cannot
-apply there and says why in its skip). The Connect runs skip ``no_leftovers``: the server's Python
+apply there, so :data:`MODES` has no such case). The Connect runs skip ``no_leftovers``: the server's Python
 daemon starts workers that outlive a test by design (``connect_server`` checks its own leftovers)."""
 
 from __future__ import annotations
@@ -22,17 +22,14 @@ from airflow_provider_torchdist.errors import InvalidTrainingConfig, PayloadNotP
 
 pytestmark = pytest.mark.integration
 
-#: Why a local-mode run has no Connect variant (the README's engine table says it too).
-LOCAL_OVER_CONNECT = (
-    "local mode trains on the Spark driver's machine, and a Connect server's driver runs no user code: "
-    "refused before anything starts (test_connect.py::test_local_mode_over_connect_is_refused_before_anything_starts)"
-)
-#: (engine, local_mode) of the core tests.
+#: (engine, local_mode) of the core tests. No local mode over Connect: local mode trains on the Spark
+#: driver's machine, and a Connect server's driver runs no user code, so that is refused before
+#: anything starts (test_connect.py::test_local_mode_over_connect_is_refused_before_anything_starts;
+#: the README's engine table says it too). A skipped case here would prove nothing.
 MODES = [
     pytest.param("spark-submit", True, id="local_mode"),
     pytest.param("spark-submit", False, id="distributed"),
     pytest.param("connect", False, id="connect-distributed"),
-    pytest.param("connect", True, id="connect-local_mode", marks=pytest.mark.skip(reason=LOCAL_OVER_CONNECT)),
 ]
 #: The engine alone, for distributed-only tests.
 ENGINES = [pytest.param("spark-submit", id="spark-submit"), pytest.param("connect", id="connect")]

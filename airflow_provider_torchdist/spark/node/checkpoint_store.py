@@ -47,6 +47,7 @@ from airflow_provider_torchdist.spark.node.checkpoint_manifest import (
     step_dir,
 )
 from airflow_provider_torchdist.spark.node.resume_position import delete_positions
+from airflow_provider_torchdist.spark.wire.private_files import CHECKPOINT_STAGING_PREFIX, private_directory
 
 __all__ = ["ALL_RUNS", "CheckpointStore", "CheckpointStoreError", "digest", "local_path"]
 
@@ -172,8 +173,10 @@ class CheckpointStore(StoreObjects):
     def staging_dir(self) -> str:
         """A new private directory in this host's temp dir to write a checkpoint's files into
         before :meth:`place`. Never inside the store: DCP writes fixed names (``__0_0.distcp``)
-        following symlinks, and an executor of another host could plant one there."""
-        return tempfile.mkdtemp(prefix="torchdist-staging-")
+        following symlinks, and an executor of another host could plant one there. A rank killed
+        mid-save leaves its directory (shards of a whole model): the next one made on this host
+        removes it, once its process is gone."""
+        return private_directory(CHECKPOINT_STAGING_PREFIX)
 
     def begin_step(self, manifest: Manifest) -> None:
         """Make the step's prefix ready for :meth:`place` (a step written again is uncommitted)."""

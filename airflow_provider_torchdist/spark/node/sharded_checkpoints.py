@@ -27,7 +27,6 @@ import io
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,6 +43,7 @@ from airflow_provider_torchdist.spark.node.dcp_checks import (
     check_metadata,
     checked_shard_names,
 )
+from airflow_provider_torchdist.spark.wire.private_files import CHECKPOINT_RESTORE_PREFIX, private_directory
 
 __all__ = ["SHARDED_METADATA", "checkpoint_group", "commit_sharded", "is_sharded", "load_sharded"]
 
@@ -194,7 +194,10 @@ def load_sharded(
 
     where = store.uri_of(manifest)
     checked_shard_names(sorted(manifest.files), SHARDED_METADATA, where)
-    with tempfile.TemporaryDirectory(prefix="torchdist-sharded-") as local:
+    # A private directory, not a TemporaryDirectory: a rank killed mid-restore leaves it, and the next
+    # one made on this host removes it once its process is gone.
+    local = private_directory(CHECKPOINT_RESTORE_PREFIX)
+    try:
         # Each file checked against the manifest, into a private directory: the metadata first,
         # then the files that hold this rank's part of the state.
         store.fetch(manifest, local, [SHARDED_METADATA])
@@ -222,4 +225,6 @@ def load_sharded(
             if refused:
                 raise refused[0] from None
             raise
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
     return state

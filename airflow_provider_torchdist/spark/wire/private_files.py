@@ -40,6 +40,10 @@ def write_private_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
 
 #: A torchrun agent's log directory (:mod:`~airflow_provider_torchdist.spark.node.launcher`).
 AGENT_DIR_PREFIX = "torchdist-agent-"
+#: A rank's staging of the sharded checkpoint it saves, and its fetch of the one it restores
+#: (:mod:`~airflow_provider_torchdist.spark.node.sharded_checkpoints`): a whole model's shards.
+CHECKPOINT_STAGING_PREFIX = "torchdist-staging-"
+CHECKPOINT_RESTORE_PREFIX = "torchdist-sharded-"
 
 
 def private_directory(prefix: str) -> str:

@@ -134,7 +134,7 @@ def test_agent_dirs_go_when_their_process_is_dead(tmp_path, dead_pid):
     assert live.is_dir() and legacy.is_dir()
 
 
-@pytest.mark.parametrize("kind", ["data", "connect"])
+@pytest.mark.parametrize("kind", ["data", "connect", "staging", "sharded"])
 def test_a_nodes_data_dirs_go_when_their_process_is_dead(tmp_path, dead_pid, kind):
     dead = tmp_path / f"torchdist-{kind}-{dead_pid}-abc"
     live = tmp_path / f"torchdist-{kind}-{os.getpid()}-abc"

@@ -329,3 +329,51 @@ def test_a_data_position_one_rank_cannot_write_fails_every_rank_of_a_sharded_sav
     for line in lines:
         assert "failed, nothing committed: rank 1: IsADirectoryError" in line, line
     assert CheckpointStore(str(directory)).committed() == []
+
+
+KILLED_MID_SAVE = """
+import os, sys
+from airflow_provider_torchdist.spark.node.checkpoint_store import CheckpointStore
+staging = CheckpointStore(sys.argv[1]).staging_dir()
+with open(os.path.join(staging, "__0_0.distcp"), "wb") as f:
+    f.write(b"x" * 4096)  # a shard half written
+print(staging, flush=True)
+sys.stdin.read()  # until SIGKILLed: no finally runs
+"""
+
+
+def test_what_a_rank_killed_mid_save_staged_goes_with_the_next_save_and_restore_on_its_host(
+    ckpt_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank SIGKILLed while it staged shards leaves them in the host's temp dir (a whole model's
+    worth); the next sharded save on that host removes them, the next restore what a killed restore
+    fetched, and neither leaves any of its own."""
+    import subprocess
+    import sys
+
+    temp = tmp_path / "host-tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    killed = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MID_SAVE, str(ckpt_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(temp)},
+    )
+    try:
+        left = Path(killed.stdout.readline().strip())
+    finally:
+        killed.kill()
+        killed.wait()
+    assert left.parent == temp and (left / "__0_0.distcp").is_file()
+    restoring = temp / f"torchdist-sharded-{killed.pid}-abc"  # one killed mid-restore
+    restoring.mkdir()
+    live = temp / f"torchdist-staging-{os.getppid()}-def"  # another rank's, still saving
+    live.mkdir()
+
+    save_checkpoint(state(2.0), 5, sharded=True)
+    assert not left.exists() and live.is_dir()
+    assert load_latest_checkpoint(state=state(0.0))[0] == 5
+    assert not restoring.exists()
+    assert sorted(p.name for p in temp.iterdir()) == [live.name]  # nothing of this process's left
