@@ -11,6 +11,7 @@ from typing import Any
 import psutil
 import pytest
 
+from tests.integration import worker_timeline
 from tests.integration.connect_server import (  # noqa: F401 (one Connect server per session)
     connect_conn,
     connect_server,
@@ -72,6 +73,14 @@ LONGEST_FIRST = [
     "test_faults.py",
     "test_readme.py",
 ]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    worker_timeline.record(report, scope_of(report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    worker_timeline.summary(terminalreporter)
 
 
 def scope_of(nodeid: str) -> str:
