@@ -15,7 +15,8 @@ dead process of this user:
   ``torchdist-data-<pid>-<random>`` ones (a node's ``train_data`` shards) and
   ``torchdist-connect-<pid>-<random>`` ones (a Connect node's payload) whose task's is, and
   ``torchdist-staging-<pid>-<random>`` and ``torchdist-sharded-<pid>-<random>`` ones (a rank's
-  sharded checkpoint, saved or restored) whose rank's is. On the executors' hosts, the next node's process removes them (``spark.wire.private_files``).
+  sharded checkpoint, saved or restored) whose rank's is. On the executors' hosts, the next
+  node's process removes them (``spark.wire.private_files``).
 
 Only real directories (no symlinks) owned by this user are considered. Example::
 
@@ -34,7 +35,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from airflow_provider_torchdist.spark.wire.private_files import AGENT_DIR_PREFIX
+from airflow_provider_torchdist.spark.wire.private_files import AGENT_DIR_PREFIX, NODE_DIR_PREFIXES
 from airflow_provider_torchdist.supervision.processes import command_line, is_alive
 
 #: In a supervised run's staging directory: the supervisor's settings, written by the task before
@@ -58,7 +59,7 @@ AGENT_PREFIX = AGENT_DIR_PREFIX
 #: The private directories of a node's processes (``private_files.private_directory``): a torchrun
 #: agent's logs, a node's ``train_data`` shards, a Connect node's payload, a rank's sharded
 #: checkpoint staged or fetched; named with their PID.
-_AGENT_DIR = re.compile(r"torchdist-(?:agent|data|connect|staging|sharded)-(\d+)-.+")
+_AGENT_DIR = re.compile("(?:" + "|".join(map(re.escape, NODE_DIR_PREFIXES)) + r")(\d+)-.+")
 
 
 def sweep_stale(

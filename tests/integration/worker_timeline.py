@@ -15,11 +15,11 @@ _SPANS: dict[tuple[str, str], list[float]] = {}
 
 def record(report: pytest.TestReport, scope: str) -> None:
     """Widen the span of ``report``'s worker and unit by its phase (in the controller only)."""
-    gateway = getattr(getattr(report, "node", None), "gateway", None)
+    worker = getattr(report, "worker_id", None)  # what xdist's workers add to their reports
     start, stop = getattr(report, "start", None), getattr(report, "stop", None)
-    if gateway is None or start is None or stop is None:
+    if worker is None or start is None or stop is None:
         return  # not an xdist run, or a report without times
-    span = _SPANS.setdefault((gateway.id, scope), [start, stop])
+    span = _SPANS.setdefault((worker, scope), [start, stop])
     span[0], span[1] = min(span[0], start), max(span[1], stop)
 
 

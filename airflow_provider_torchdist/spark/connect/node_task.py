@@ -14,7 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_torchdist.spark.wire.jobspec import JobSpec
-from airflow_provider_torchdist.spark.wire.private_files import private_directory, write_private_bytes
+from airflow_provider_torchdist.spark.wire.private_files import (
+    CONNECT_DIR_PREFIX,
+    private_directory,
+    write_private_bytes,
+)
 
 
 def end_this_node() -> None:
@@ -44,7 +48,7 @@ def shipped_payload(spec: JobSpec, entry: bytes, py_files: list[tuple[str, bytes
     environ = dict(os.environ)
     import_path = list(sys.path)
     # 0700; a killed worker's own is removed by the next task on this machine.
-    directory = private_directory("torchdist-connect-")
+    directory = private_directory(CONNECT_DIR_PREFIX)
     try:
         shipped = [private_file(directory, name, data) for name, data in py_files]
         # As spark-submit's --py-files: first on the worker's sys.path, which the ranks (forked by

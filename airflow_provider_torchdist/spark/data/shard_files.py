@@ -16,7 +16,7 @@ from typing import Any
 
 from airflow_provider_torchdist.spark.data.rank_data import shard_file
 from airflow_provider_torchdist.spark.data.shard_plan import TrainDataError
-from airflow_provider_torchdist.spark.wire.private_files import private_directory
+from airflow_provider_torchdist.spark.wire.private_files import DATA_DIR_PREFIX, private_directory
 
 
 class BlobPacker:
@@ -147,7 +147,7 @@ def new_node_directory() -> str:
     """A private directory for this node's shards. Its name carries this process's PID: a task
     killed before it removed its directory leaves one whose process is dead, which the next node
     on this host (and the Airflow worker's sweep, ``sweep.py``) removes (:func:`private_directory`)."""
-    return private_directory("torchdist-data-")
+    return private_directory(DATA_DIR_PREFIX)
 
 
 def remove_directory(directory: str | Path) -> None:

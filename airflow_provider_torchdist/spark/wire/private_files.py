@@ -40,10 +40,22 @@ def write_private_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
 
 #: A torchrun agent's log directory (:mod:`~airflow_provider_torchdist.spark.node.launcher`).
 AGENT_DIR_PREFIX = "torchdist-agent-"
+#: A node's ``train_data`` shards (:mod:`~airflow_provider_torchdist.spark.data.shard_files`).
+DATA_DIR_PREFIX = "torchdist-data-"
+#: A Connect node's payload (:mod:`~airflow_provider_torchdist.spark.connect.node_task`).
+CONNECT_DIR_PREFIX = "torchdist-connect-"
 #: A rank's staging of the sharded checkpoint it saves, and its fetch of the one it restores
 #: (:mod:`~airflow_provider_torchdist.spark.node.sharded_checkpoints`): a whole model's shards.
 CHECKPOINT_STAGING_PREFIX = "torchdist-staging-"
 CHECKPOINT_RESTORE_PREFIX = "torchdist-sharded-"
+#: Every prefix :func:`private_directory` is given: the Airflow worker's sweep knows them all.
+NODE_DIR_PREFIXES = (
+    AGENT_DIR_PREFIX,
+    DATA_DIR_PREFIX,
+    CONNECT_DIR_PREFIX,
+    CHECKPOINT_STAGING_PREFIX,
+    CHECKPOINT_RESTORE_PREFIX,
+)
 
 
 def private_directory(prefix: str) -> str:
